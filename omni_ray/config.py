@@ -1,0 +1,177 @@
+"""Pipeline presets: one validated, frozen config for the three stages, loaded from ``stage_configs/*.yaml``.
+
+A preset names the checkpoint and, per stage, how its engine runs (dtype, device, batching limits) and how Ray Serve
+places it (replicas, CPUs, GPUs). Everything is checked once here, and an invalid file fails with an error that
+names the field, so nothing downstream handles a dict or a bad value.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+# "owner/name", as on the model hub; anything else must be a local directory.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ConfigError(ValueError):
+    """A preset that does not validate. The message names the file and the field."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Frozen):
+    """Ray Serve autoscaling bounds for one stage."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas the stage scales down to.")
+    max_replicas: PositiveInt = Field(1, description="Most replicas the stage scales up to.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Ongoing requests per replica that Serve aims for when it scales."
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class DeploymentConfig(_Frozen):
+    """How Ray Serve places one stage's replicas."""
+
+    num_replicas: PositiveInt | None = Field(
+        None, description="Fixed replica count; leave unset when autoscaling is given (then Serve scales)."
+    )
+    autoscaling: AutoscalingConfig | None = Field(None, description="Autoscaling bounds instead of a fixed count.")
+    max_ongoing_requests: PositiveInt = Field(
+        8, description="Requests Serve sends to one replica at once; at least the engine's batch limit."
+    )
+    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs each replica reserves.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (1 for a GPU stage).")
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> DeploymentConfig:
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("give either num_replicas or autoscaling, not both")
+        return self
+
+
+class _StageConfig(_Frozen):
+    dtype: Dtype = Field("float32", description="Weights and activations dtype.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Torch device the stage runs on.")
+    deployment: DeploymentConfig = Field(
+        default_factory=DeploymentConfig, description="Ray Serve options for the stage's deployment."
+    )
+
+
+class EncoderConfig(_StageConfig):
+    """The text (and vision) encoder stage: Qwen2.5-VL under vLLM's engine core."""
+
+    max_num_seqs: PositiveInt = Field(8, description="Most prompts the encoder batches in one engine step.")
+    max_model_len: PositiveInt = Field(
+        1024 + 34, description="Longest token sequence (template included) the encoder accepts."
+    )
+    max_sequence_length: PositiveInt = Field(
+        512, description="Prompt embeddings kept per prompt after the template is dropped (diffusers' default)."
+    )
+    kv_cache_memory_bytes: PositiveInt = Field(
+        256 << 20, description="KV cache the encoder reserves; prompts are encoded in one pass, so it stays small."
+    )
+
+
+class DiTConfig(_StageConfig):
+    """The diffusion transformer stage: step-level continuously batched denoising."""
+
+    max_batch_size: PositiveInt = Field(8, description="Most requests denoised together in one step.")
+
+
+class VAEConfig(_StageConfig):
+    """The VAE stage: batched latent decoding (and image encoding for edits)."""
+
+    max_batch_size: PositiveInt = Field(4, description="Most same-size latents decoded in one VAE call.")
+
+
+class PipelineConfig(_Frozen):
+    """One Qwen-Image preset: the checkpoint and its three stages."""
+
+    name: str = Field(..., min_length=1, description="Served model name, as listed by /v1/models.")
+    model: str = Field(
+        ...,
+        min_length=1,
+        description="Checkpoint in diffusers' layout: a local directory, or a hub id such as 'Qwen/Qwen-Image'.",
+    )
+    encoder: EncoderConfig = Field(default_factory=EncoderConfig, description="Encoder stage.")
+    dit: DiTConfig = Field(default_factory=DiTConfig, description="Denoising stage.")
+    vae: VAEConfig = Field(default_factory=VAEConfig, description="Decoding stage.")
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> PipelineConfig:
+        for stage_name in ("encoder", "dit", "vae"):
+            stage = getattr(self, stage_name)
+            if stage.device.startswith("cuda") and stage.deployment.num_gpus == 0:
+                raise ValueError(f"{stage_name}.deployment.num_gpus must be > 0 when {stage_name}.device is cuda")
+        if self.dit.deployment.max_ongoing_requests < self.dit.max_batch_size:
+            raise ValueError(
+                f"dit.deployment.max_ongoing_requests ({self.dit.deployment.max_ongoing_requests}) must be at least "
+                f"dit.max_batch_size ({self.dit.max_batch_size}), or batches never fill"
+            )
+        return self
+
+    @property
+    def is_local(self) -> bool:
+        """Whether ``model`` names a local directory rather than a hub id."""
+        return not _HUB_ID.match(self.model) or pathlib.Path(self.model).exists()
+
+
+def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineConfig:
+    """Reads a preset from YAML; ``model`` overrides the preset's checkpoint.
+
+    A relative local ``model`` resolves against the current directory; ``~`` expands.
+    """
+    path = pathlib.Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such stage config") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    if model is not None:
+        data["model"] = model
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConfig:
+    """Validates a preset given as a mapping; raises ConfigError naming the field."""
+    try:
+        config = PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_describe(err)}") from None
+    if config.is_local:
+        model_dir = pathlib.Path(config.model).expanduser()
+        if not (model_dir / "model_index.json").is_file():
+            raise ConfigError(
+                f"{source}: model: {config.model!r} is not a checkpoint directory (no model_index.json); "
+                "build the tiny one with `python -m omni_ray.tiny DIR`"
+            )
+        config = config.model_copy(update={"model": str(model_dir.resolve())})
+    return config
+
+
+def _describe(err: ValidationError) -> str:
+    problems = []
+    for error in err.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "<root>"
+        message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
+        problems.append(f"{field}: {message}")
+    return "; ".join(problems)

@@ -1,0 +1,50 @@
+"""Decode stage: packed latents to uint8 pixels with Qwen-Image's VAE, a batch of same-size latents per call.
+
+Unpack, denormalise with the VAE's latent statistics, decode the single frame, and postprocess exactly as diffusers'
+``QwenImagePipeline`` and ``VaeImageProcessor`` do (``output_type="pil"`` rounds to uint8 the same way).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLQwenImage
+from diffusers.image_processor import VaeImageProcessor
+
+from omni_ray.stages.denoise import Latents
+
+
+def unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+    """``[B, image_seq_len, C*4]`` -> ``[B, C, 1, H/8, W/8]``, the inverse of ``pack_latents``."""
+    batch, _, channels = latents.shape
+    rows = 2 * (height // (vae_scale_factor * 2))
+    cols = 2 * (width // (vae_scale_factor * 2))
+    latents = latents.view(batch, rows // 2, cols // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(batch, channels // 4, 1, rows, cols)
+
+
+class LatentDecoder:
+    """Loads the VAE and decodes batches of same-size latents."""
+
+    def __init__(self, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype)
+        self.vae.to(self.device).eval()
+        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        z_dim = self.vae.config.z_dim
+        self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
+        self.latents_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+
+    @torch.no_grad()
+    def decode(self, batch: list[Latents]) -> np.ndarray:
+        """Decodes same-size latents in one VAE call; returns uint8 pixels ``[B, H, W, 3]``."""
+        height, width = batch[0].height, batch[0].width
+        assert all((item.height, item.width) == (height, width) for item in batch), "mixed sizes in one decode"
+        packed = torch.stack([item.latents for item in batch]).to(self.device)
+        latents = unpack_latents(packed, height, width, self.vae_scale_factor).to(self.vae.dtype)
+        mean = self.latents_mean.to(latents.device, latents.dtype)
+        std = self.latents_std.to(latents.device, latents.dtype)
+        image = self.vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        image = self.image_processor.postprocess(image, output_type="np")
+        return (image * 255).round().astype(np.uint8)

@@ -1,0 +1,215 @@
+"""Denoise stage: Qwen-Image's transformer advancing a batch of requests by one flow-match step.
+
+Each request carries its own state (latents, scheduler with its timesteps and step index, prompt embeddings), so
+requests with different step counts, seeds, prompts and CFG scales share one forward pass; the engine decides which
+states step together. Numerics follow diffusers' ``QwenImagePipeline.__call__``: the noise, the dynamic-shift
+schedule, the true-CFG norm rescale and the Euler update are the same operations on the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+from omni_ray.stages.encode import PromptEmbeds
+
+
+@dataclass(slots=True)
+class DenoiseParams:
+    """What one request asks of the DiT."""
+
+    height: int
+    width: int
+    num_inference_steps: int
+    seed: int
+    true_cfg_scale: float = 1.0  # CFG runs when > 1 and a negative prompt is given
+
+    def batch_key(self, has_negative: bool) -> tuple[int, int, bool]:
+        """Requests whose keys match can share a forward pass."""
+        return (self.height, self.width, self.true_cfg_scale > 1 and has_negative)
+
+
+@dataclass(slots=True)
+class DenoiseState:
+    """One request's denoising progress; the runner advances it, the engine owns it."""
+
+    params: DenoiseParams
+    latents: torch.Tensor  # [1, image_seq_len, in_channels], on the stage's device
+    scheduler: FlowMatchEulerDiscreteScheduler  # private to this request: timesteps, sigmas
+    prompt: torch.Tensor  # [num_tokens, hidden], on the stage's device
+    negative: torch.Tensor | None  # [num_neg_tokens, hidden], set when true CFG runs
+    img_shape: tuple[int, int, int]  # (frames, latent rows, latent cols) after packing
+    step_index: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.scheduler.timesteps)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.step_index >= self.num_steps
+
+    @property
+    def do_true_cfg(self) -> bool:
+        return self.negative is not None
+
+
+@dataclass(slots=True)
+class Latents:
+    """A finished request's packed latents, as they travel to the VAE stage (CPU, contiguous)."""
+
+    latents: torch.Tensor  # [image_seq_len, in_channels]
+    height: int
+    width: int
+
+
+def calculate_shift(image_seq_len: int, config) -> float:
+    """diffusers' dynamic-shift ``mu``: linear in the number of image tokens."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + (base_shift - m * base_len)
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, C, H, W]`` -> ``[B, (H/2)*(W/2), C*4]``: 2x2 patches as tokens."""
+    b, _, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+class DenoiseRunner:
+    """Loads the transformer and the scheduler config; prepares request states and steps batches of them."""
+
+    def __init__(self, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
+        self.transformer.to(self.device).eval()
+        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
+        vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
+        self.vae_scale_factor = 2 ** len(vae_config["temperal_downsample"])
+        self.num_channels_latents = self.transformer.config.in_channels // 4
+
+    @property
+    def size_multiple(self) -> int:
+        """Image sides must be multiples of this (VAE compression times the 2x2 packing)."""
+        return self.vae_scale_factor * 2
+
+    def prepare(
+        self, params: DenoiseParams, prompt: PromptEmbeds, negative: PromptEmbeds | None = None
+    ) -> DenoiseState:
+        """Draws the request's noise and schedule."""
+        if params.height % self.size_multiple or params.width % self.size_multiple:
+            raise ValueError(f"height and width must be multiples of {self.size_multiple}")
+        rows = 2 * (params.height // self.size_multiple)
+        cols = 2 * (params.width // self.size_multiple)
+        # Drawn on the CPU in diffusers' unpacked shape, so the same seed gives the same image on any device.
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        noise = torch.randn((1, 1, self.num_channels_latents, rows, cols), generator=generator, dtype=self.dtype)
+        latents = pack_latents(noise).to(self.device)
+
+        steps = params.num_inference_steps
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config, **one_step_overrides(steps))
+        scheduler.set_timesteps(
+            sigmas=np.linspace(1.0, 1 / steps, steps),
+            device=self.device,
+            mu=calculate_shift(latents.shape[1], scheduler.config),
+        )
+        scheduler.set_begin_index(0)
+        do_true_cfg = params.true_cfg_scale > 1 and negative is not None
+        return DenoiseState(
+            params=params,
+            latents=latents,
+            scheduler=scheduler,
+            prompt=prompt.embeds.to(self.device, self.dtype),
+            negative=negative.embeds.to(self.device, self.dtype) if do_true_cfg else None,
+            img_shape=(1, rows // 2, cols // 2),
+        )
+
+    @torch.no_grad()
+    def step(self, states: list[DenoiseState], fuse_cfg: bool = True) -> None:
+        """Advances every state by one denoising step.
+
+        The states must share a batch key. With true CFG and ``fuse_cfg``, the unconditional rows ride in the same
+        forward as the conditional ones (one pass, text padded to the longest of both); ``fuse_cfg=False`` runs them
+        as a second pass, as diffusers does, which the in-process reference pipeline uses to match diffusers exactly.
+        """
+        assert states and len({s.params.batch_key(s.do_true_cfg) for s in states}) == 1, "mixed batch keys"
+        cfg = states[0].do_true_cfg
+        latents = torch.cat([s.latents for s in states])
+        timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
+        img_shapes = [s.img_shape for s in states]
+        prompts = [s.prompt for s in states]
+        if not cfg:
+            cond = self._forward(latents, timesteps, prompts, img_shapes)
+        elif fuse_cfg:
+            rows = len(states)
+            both = self._forward(
+                latents.repeat(2, 1, 1), timesteps.repeat(2), prompts + [s.negative for s in states], img_shapes * 2
+            )
+            cond, uncond = both[:rows], both[rows:]
+        else:
+            cond = self._forward(latents, timesteps, prompts, img_shapes)
+            uncond = self._forward(latents, timesteps, [s.negative for s in states], img_shapes)
+
+        for row, state in enumerate(states):
+            pred = cond[row : row + 1]
+            if cfg:
+                pred = guide(pred, uncond[row : row + 1], state.params.true_cfg_scale)
+            t = state.scheduler.timesteps[state.step_index]
+            state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
+            state.step_index += 1
+
+    def _forward(
+        self,
+        latents: torch.Tensor,  # [rows, image_seq_len, in_channels]
+        timesteps: torch.Tensor,  # [rows]
+        texts: list[torch.Tensor],  # rows x [num_tokens_i, hidden]
+        img_shapes: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        embeds, mask = pad_text(texts)
+        return self.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
+            img_shapes=[[shape] for shape in img_shapes],
+            return_dict=False,
+        )[0]
+
+    def finish(self, state: DenoiseState) -> Latents:
+        """The finished state's latents, moved to the CPU for the VAE stage."""
+        assert state.is_finished
+        return Latents(state.latents[0].cpu().contiguous(), state.params.height, state.params.width)
+
+
+def one_step_overrides(num_inference_steps: int) -> dict:
+    """Scheduler config changes that a one-step schedule needs.
+
+    Qwen-Image's config stretches the schedule so that its last sigma lands on ``shift_terminal``. With one step the
+    only sigma is 1.0 and the stretch divides 0 by 0, so diffusers' pipeline returns NaN latents (a black image).
+    One step without the stretch is the plain Euler step from pure noise to sigma 0.
+    """
+    return {"shift_terminal": None} if num_inference_steps == 1 else {}
+
+
+def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG with Qwen-Image's rescale: the guided prediction keeps the conditional one's per-token norm."""
+    combined = uncond + scale * (cond - uncond)
+    return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+
+def pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pads text embeddings with zeros; the mask is None when no row needed padding (as diffusers passes it)."""
+    max_len = max(t.shape[0] for t in texts)
+    if all(t.shape[0] == max_len for t in texts):
+        return torch.stack(texts), None
+    embeds = torch.stack([torch.cat([t, t.new_zeros(max_len - t.shape[0], t.shape[1])]) for t in texts])
+    mask = torch.zeros((len(texts), max_len), dtype=torch.long, device=embeds.device)
+    for row, t in enumerate(texts):
+        mask[row, : t.shape[0]] = 1
+    return embeds, mask

@@ -1,0 +1,258 @@
+"""Write a randomly initialised Qwen-Image checkpoint offline, in diffusers' on-disk layout.
+
+    python -m omni_ray.tiny OUT_DIR [--seed N] [--size tiny|small]
+
+The folders are the ones ``Qwen/Qwen-Image`` ships (``model_index.json``, ``scheduler/``, ``text_encoder/``,
+``tokenizer/``, ``transformer/``, ``vae/``), so ``QwenImagePipeline.from_pretrained(OUT_DIR)`` loads it and vLLM
+loads ``text_encoder/`` as a Qwen2.5-VL model. Only the sizes are small:
+
+- the tokenizer is a byte-level BPE trained here on a small corpus, so that the 34-token prefix of diffusers'
+  prompt template tokenises to 34 tokens, as it does with Qwen's own vocabulary;
+- the text encoder's attention heads are 32 wide (vLLM's CPU attention needs at least 32);
+- the VAE keeps Qwen-Image's 8x spatial compression and 16 latent channels, with non-trivial latent statistics;
+- the scheduler config is Qwen-Image's own.
+
+``--size small`` widens and deepens the transformer (4 layers, 128 wide) so that compute, not per-call overhead,
+dominates a request on a CPU; it is the benchmark checkpoint. The same seed writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import torch
+
+PROMPT_TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+PROMPT_TEMPLATE_PREFIX_TOKENS = 34
+
+# Qwen2.5-VL's special tokens, in Qwen's order, so that the vision path (image editing) finds them too.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen/Qwen-Image's scheduler/scheduler_config.json.
+SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+
+TEXT_HIDDEN_SIZE = 64  # two heads of 32
+TRANSFORMER_SIZES = {
+    # name: (num_layers, num_attention_heads); heads are 32 wide
+    "tiny": (2, 2),
+    "small": (4, 4),
+}
+
+_CORPUS = (
+    "A photo of a red cat sitting on a wooden table next to a blue cup of coffee.",
+    "An oil painting of a lighthouse at sunset, with waves crashing against the rocks.",
+    "A watercolor of mountains and a lake in the morning mist, soft green and grey tones.",
+    "A neon sign that reads open in a rainy city street at night, reflections on the road.",
+    "Close-up of a yellow flower with water drops, a bee flying in the background.",
+    "A small robot reading a book in a quiet library, warm light from the window.",
+    "Two children flying a kite on a beach under a bright summer sky.",
+    "A bowl of fruit: apples, oranges, bananas and grapes on a white plate.",
+)
+
+
+def build_tokenizer():
+    """A byte-level BPE in Qwen2's format, trained on the prompt template and a few captions."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The template text is repeated so that each of its words becomes one token, as in Qwen's vocabulary.
+    template_text = PROMPT_TEMPLATE_PREFIX.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    bpe.train_from_iterator([template_text] * 64 + list(_CORPUS) * 8 + ["assistant\n"] * 64, trainer=trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+
+    tokenizer = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=131072,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"pad_token": SPECIAL_TOKENS[0]})
+    num_prefix = len(tokenizer(PROMPT_TEMPLATE_PREFIX).input_ids)
+    if num_prefix != PROMPT_TEMPLATE_PREFIX_TOKENS:
+        raise RuntimeError(f"template prefix is {num_prefix} tokens, expected {PROMPT_TEMPLATE_PREFIX_TOKENS}")
+    return tokenizer
+
+
+def build_text_encoder(tokenizer, seed: int):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    head_dim = 32
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": TEXT_HIDDEN_SIZE,
+            "intermediate_size": 2 * TEXT_HIDDEN_SIZE,
+            "num_hidden_layers": 2,
+            "num_attention_heads": TEXT_HIDDEN_SIZE // head_dim,
+            "num_key_value_heads": TEXT_HIDDEN_SIZE // head_dim,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
+            "bos_token_id": ids("<|endoftext|>"),
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+            "torch_dtype": "float32",
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": TEXT_HIDDEN_SIZE,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return _randomised(Qwen2_5_VLForConditionalGeneration(config), seed)
+
+
+def build_transformer(size: str, seed: int):
+    from diffusers import QwenImageTransformer2DModel
+
+    num_layers, num_heads = TRANSFORMER_SIZES[size]
+    torch.manual_seed(seed)
+    model = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=num_layers,
+        attention_head_dim=32,
+        num_attention_heads=num_heads,
+        joint_attention_dim=TEXT_HIDDEN_SIZE,
+        axes_dims_rope=(8, 12, 12),
+    )
+    return _randomised(model, seed + 1)
+
+
+def build_vae(seed: int):
+    from diffusers import AutoencoderKLQwenImage
+
+    stats = torch.Generator().manual_seed(seed + 2)
+    latents_mean = (torch.randn(16, generator=stats) * 0.5).tolist()
+    latents_std = (torch.rand(16, generator=stats) * 1.5 + 0.75).tolist()
+    torch.manual_seed(seed)
+    model = AutoencoderKLQwenImage(
+        base_dim=16,
+        z_dim=16,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[round(x, 4) for x in latents_mean],
+        latents_std=[round(x, 4) for x in latents_std],
+    )
+    return _randomised(model, seed + 3)
+
+
+def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Redraws every parameter from one seeded generator.
+
+    Default initialisers zero some output projections (so a random model would predict nothing) and draw from the
+    global generator; here every weight is drawn, scaled by its fan-in so activations stay of order one.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1 and ("norm" in name or name.endswith("gamma")):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif param.ndim == 1:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+            else:
+                fan_in = param[0].numel()
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+    return model.eval()
+
+
+def write_checkpoint(out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny") -> pathlib.Path:
+    """Writes the checkpoint to ``out_dir`` and returns its path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    if size not in TRANSFORMER_SIZES:
+        raise ValueError(f"size must be one of {sorted(TRANSFORMER_SIZES)}, got {size!r}")
+    out = pathlib.Path(out_dir)
+    tokenizer = build_tokenizer()
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        vae=build_vae(seed),
+        text_encoder=build_text_encoder(tokenizer, seed),
+        tokenizer=tokenizer,
+        transformer=build_transformer(size, seed),
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m omni_ray.tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", help="directory to write the checkpoint to")
+    parser.add_argument("--seed", type=int, default=0, help="seed for every weight (default 0)")
+    parser.add_argument("--size", choices=sorted(TRANSFORMER_SIZES), default="tiny", help="transformer size")
+    args = parser.parse_args(argv)
+    out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size)
+    print(f"wrote a {args.size} Qwen-Image checkpoint (seed {args.seed}) to {out}")
+
+
+if __name__ == "__main__":
+    main()

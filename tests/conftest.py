@@ -1,0 +1,13 @@
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> pathlib.Path:
+    """The tiny checkpoint (seed 0), built once per test session; tests never depend on a user's cache."""
+    from omni_ray.tiny import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
