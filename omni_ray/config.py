@@ -92,6 +92,11 @@ class DiTConfig(_StageConfig):
     """The diffusion transformer stage: step-level continuously batched denoising."""
 
     max_batch_size: PositiveInt = Field(8, description="Most requests denoised together in one step.")
+    max_wait_steps: PositiveInt = Field(
+        8,
+        description="Steps requests of another size or CFG mode wait at most while the running batch's key keeps "
+        "the DiT; then the DiT switches to them, so no key starves.",
+    )
 
 
 class VAEConfig(_StageConfig):

@@ -11,3 +11,8 @@ def tiny_dir(tmp_path_factory) -> pathlib.Path:
     from omni_ray.tiny import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)

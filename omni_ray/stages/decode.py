@@ -6,12 +6,54 @@ Unpack, denormalise with the VAE's latent statistics, decode the single frame, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 
 from omni_ray.stages.denoise import Latents
+
+
+OutputMode = Literal["pixels", "latents", "both"]
+
+
+@dataclass(slots=True)
+class DecodeRequest:
+    """A request as the VAE engine receives it."""
+
+    request_id: str
+    latents: Latents
+    output: OutputMode = "pixels"
+
+    @property
+    def batch_key(self) -> tuple[int, int]:
+        return (self.latents.height, self.latents.width)
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """One engine step's work: same-size requests decoded in one VAE call (the VAE scheduler's output)."""
+
+    requests: list[DecodeRequest]
+
+
+@dataclass(slots=True)
+class Decoded:
+    """A request's result, per its output mode; crosses to the coordinator (plain numpy and CPU tensors)."""
+
+    pixels: np.ndarray | None  # [H, W, 3] uint8
+    latents: Latents | None
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    """What one engine step produced (the runner's output)."""
+
+    finished: dict[str, Decoded]  # request id -> result
+    errors: dict[str, str]  # request id -> message
 
 
 def unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
@@ -35,6 +77,20 @@ class LatentDecoder:
         z_dim = self.vae.config.z_dim
         self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
         self.latents_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+
+    def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
+        """Decodes the batch's latents in one call; requests that asked for latents only skip the VAE."""
+        to_decode = [request for request in batch.requests if request.output != "latents"]
+        pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
+        by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
+        finished = {
+            request.request_id: Decoded(
+                pixels=by_id.get(request.request_id),
+                latents=request.latents if request.output != "pixels" else None,
+            )
+            for request in batch.requests
+        }
+        return DecodeOutput(finished=finished, errors={})
 
     @torch.no_grad()
     def decode(self, batch: list[Latents]) -> np.ndarray:

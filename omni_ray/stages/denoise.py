@@ -8,6 +8,7 @@ schedule, the true-CFG norm rescale and the Euler update are the same operations
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
 from omni_ray.stages.encode import PromptEmbeds
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -30,6 +33,38 @@ class DenoiseParams:
     def batch_key(self, has_negative: bool) -> tuple[int, int, bool]:
         """Requests whose keys match can share a forward pass."""
         return (self.height, self.width, self.true_cfg_scale > 1 and has_negative)
+
+
+@dataclass(slots=True)
+class DenoiseRequest:
+    """A request as the DiT engine receives it: the prompt's embeddings (and the negative's, for true CFG)."""
+
+    request_id: str
+    params: DenoiseParams
+    prompt: PromptEmbeds
+    negative: PromptEmbeds | None = None
+
+    @property
+    def batch_key(self) -> tuple[int, int, bool]:
+        return self.params.batch_key(self.negative is not None)
+
+
+@dataclass(slots=True)
+class DenoiseBatch:
+    """One engine step's work for the runner (the DiT scheduler's output)."""
+
+    new_requests: list[DenoiseRequest]  # admitted this step: the runner draws their noise and schedule
+    request_ids: list[str]  # every request stepped this step (new ones included); one batch key
+    freed_ids: list[str]  # requests that left since the last step (aborted): the runner drops their state
+
+
+@dataclass(slots=True)
+class DenoiseOutput:
+    """What one engine step produced (the runner's output)."""
+
+    finished: dict[str, Latents]  # request id -> final latents, for requests whose last step this was
+    errors: dict[str, str]  # request id -> message, for requests that failed alone
+    progress: dict[str, tuple[int, int]]  # request id -> (steps done, total steps), for every stepped request
 
 
 @dataclass(slots=True)
@@ -85,6 +120,7 @@ class DenoiseRunner:
     """Loads the transformer and the scheduler config; prepares request states and steps batches of them."""
 
     def __init__(self, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
         self.device = torch.device(device)
         self.dtype = dtype
         self.transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
@@ -98,6 +134,45 @@ class DenoiseRunner:
     def size_multiple(self) -> int:
         """Image sides must be multiples of this (VAE compression times the 2x2 packing)."""
         return self.vae_scale_factor * 2
+
+    def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
+        """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
+        for request_id in batch.freed_ids:
+            self.states.pop(request_id, None)
+        output = DenoiseOutput(finished={}, errors={}, progress={})
+        for request in batch.new_requests:
+            try:
+                self.states[request.request_id] = self.prepare(request.params, request.prompt, request.negative)
+            except Exception as err:  # a bad request fails alone
+                output.errors[request.request_id] = describe(err)
+        states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
+        self._step_isolating_failures(states, output.errors)
+        for request_id, state in states.items():
+            if request_id in output.errors:
+                continue
+            output.progress[request_id] = (state.step_index, state.num_steps)
+            if state.is_finished:
+                output.finished[request_id] = self.finish(self.states.pop(request_id))
+        return output
+
+    def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, str]) -> None:
+        """Steps the batch; if that fails, steps each request alone so that only the failing ones fail."""
+        if not states:
+            return
+        started_at = {request_id: state.step_index for request_id, state in states.items()}
+        try:
+            self.step(list(states.values()))
+            return
+        except Exception:
+            logger.exception("DiT step of %d requests failed; retrying each alone", len(states))
+        for request_id, state in states.items():
+            if state.step_index != started_at[request_id]:  # advanced before the failure
+                continue
+            try:
+                self.step([state])
+            except Exception as err:
+                errors[request_id] = describe(err)
+                del self.states[request_id]
 
     def prepare(
         self, params: DenoiseParams, prompt: PromptEmbeds, negative: PromptEmbeds | None = None
@@ -185,6 +260,10 @@ class DenoiseRunner:
         """The finished state's latents, moved to the CPU for the VAE stage."""
         assert state.is_finished
         return Latents(state.latents[0].cpu().contiguous(), state.params.height, state.params.width)
+
+
+def describe(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def one_step_overrides(num_inference_steps: int) -> dict:

@@ -8,6 +8,9 @@ and ``to_prompt_embeds`` (drop the template's 34 tokens, keep at most ``max_sequ
 
 from __future__ import annotations
 
+import os
+import pathlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,23 @@ class PromptEmbeds:
     @property
     def num_tokens(self) -> int:
         return self.embeds.shape[0]
+
+
+@dataclass(slots=True)
+class EncodeRequest:
+    """A request as the encoder engine receives it."""
+
+    request_id: str
+    prompt: str
+    negative_prompt: str | None = None  # encoded only when given (true CFG)
+
+
+@dataclass(slots=True)
+class EncodedPrompt:
+    """The encoder's result for one request; travels to the DiT stage."""
+
+    prompt: PromptEmbeds
+    negative: PromptEmbeds | None
 
 
 class PromptTokenizer:
@@ -96,3 +116,87 @@ class PromptEncoder:
         token_ids = [self.tokenizer.tokenize(prompt) for prompt in prompts]
         hidden = self.text_encoder(token_ids, self.tokenizer.pad_token_id)
         return [to_prompt_embeds(h, self.max_sequence_length) for h in hidden]
+
+
+def local_subfolder(model: str, subfolder: str) -> str:
+    """A checkpoint component's local directory; a hub id is downloaded once into the Hugging Face cache."""
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return str(path / subfolder)
+    from huggingface_hub import snapshot_download
+
+    return str(pathlib.Path(snapshot_download(model, allow_patterns=[f"{subfolder}/*"])) / subfolder)
+
+
+class VllmTextEncoder:
+    """Token ids to last hidden states with vLLM's V1 ``EngineCore``, in this process.
+
+    The only code that touches vLLM's internal engine API, written against vllm 0.32 (pinned): the pooling runner
+    with the ``token_embed`` task over all tokens and no activation gives each token's last hidden state, and vLLM's
+    own scheduler batches concurrent sequences. Call it from one thread.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        max_num_seqs: int = 8,
+        max_model_len: int = 1058,
+        kv_cache_memory_bytes: int = 256 << 20,
+    ):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm.config import PoolerConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        self.config = EngineArgs(
+            model=local_subfolder(model, "text_encoder"),
+            tokenizer=local_subfolder(model, "tokenizer"),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            language_model_only=True,
+            runner="pooling",
+            convert="embed",
+            pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
+        ).create_engine_config()
+        self.core = EngineCore(self.config, UniProcExecutor, log_stats=False)
+        self.pooling_params = PoolingParams(task="token_embed", use_activation=False)
+        self.pooling_params.verify(self.config.model_config)
+
+    def add(self, request_id: str, token_ids: list[int]) -> None:
+        from vllm.v1.engine import EngineCoreRequest
+
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            mm_features=None,
+            sampling_params=None,
+            pooling_params=self.pooling_params,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        self.core.add_request(*self.core.preprocess_add_request(request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def step(self) -> dict[str, torch.Tensor]:
+        """Runs one vLLM step; returns the sequences that finished: id -> ``[num_tokens, hidden]``."""
+        outputs, _ = self.core.step()
+        return {
+            output.request_id: output.pooling_output
+            for batch in outputs.values()
+            for output in batch.outputs
+            if output.finished
+        }
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,165 @@
+"""Runs an engine core's step loop in one background thread and gives each caller an awaitable result.
+
+Every call to the core happens on that thread, so cores and schedulers need no locks. Callers' adds and aborts
+reach the loop through a queue and take effect at the next step boundary. Cancelling the awaiting task aborts the
+request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omni_ray.engine.output import EngineCoreOutput
+from omni_ray.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(slots=True)
+class _Caller:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    on_progress: ProgressCallback | None
+
+
+class AsyncEngine:
+    """One engine core, one thread, many concurrent callers."""
+
+    def __init__(self, core: Any, name: str, stall_timeout_s: float = 300.0):
+        self.core = core
+        self.name = name
+        self.stall_timeout_s = stall_timeout_s
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._callers: dict[str, _Caller] = {}  # request id -> who awaits it; touched on the loop thread only
+        self._thread = threading.Thread(target=self._run, name=f"omni-ray-{name}-engine", daemon=True)
+        self._stopping = False
+        self._busy_since: float | None = None  # when the step now running began
+        self.num_steps = 0
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    async def generate(self, request: Any, on_progress: ProgressCallback | None = None) -> Any:
+        """Adds ``request`` (its ``request_id`` must be unique) and returns its stage result."""
+        if not self._thread.is_alive():
+            raise EngineError("engine loop is not running", self.name)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("add", (request, _Caller(loop, future, on_progress))))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def check_health(self) -> None:
+        """Raises if the loop thread died or one step has run longer than ``stall_timeout_s``."""
+        if not self._thread.is_alive():
+            raise EngineError("engine loop is dead", self.name)
+        busy_since = self._busy_since
+        if busy_since is not None and time.monotonic() - busy_since > self.stall_timeout_s:
+            raise EngineError(f"one step has run for over {self.stall_timeout_s:.0f} s", self.name)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(("wake", None))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+        self.core.shutdown()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._apply_commands(block=not self.core.has_unfinished_requests())
+            if self._stopping:
+                break
+            self._busy_since = time.monotonic()
+            try:
+                outputs = self.core.step()
+            except Exception as err:  # the step failed as a whole: fail its requests, keep the loop
+                logger.exception("%s engine step failed", self.name)
+                outputs = self._fail_all(err)
+            finally:
+                self._busy_since = None
+            self.num_steps += 1
+            for output in outputs:
+                self._deliver(output)
+        for request_id in list(self._callers):
+            self._deliver(EngineCoreOutput(request_id, finish_reason="error", error="engine shut down"))
+
+    def _apply_commands(self, block: bool) -> None:
+        command = self._commands.get() if block else self._next_command()
+        while command is not None:
+            kind, payload = command
+            if kind == "add":
+                request, caller = payload
+                self._add(request, caller)
+            elif kind == "abort" and self._callers.pop(payload, None) is not None:
+                self.core.abort_requests([payload])
+            command = self._next_command()
+
+    def _next_command(self) -> tuple[str, Any] | None:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _add(self, request: Any, caller: _Caller) -> None:
+        if caller.future.done():  # cancelled before it reached the loop
+            return
+        if request.request_id in self._callers:
+            _resolve(caller, EngineError(f"duplicate request id {request.request_id!r}", self.name))
+            return
+        try:
+            self.core.add_request(request)
+        except Exception as err:
+            _resolve(caller, err if isinstance(err, EngineError) else EngineError(str(err), self.name))
+            return
+        self._callers[request.request_id] = caller
+
+    def _fail_all(self, err: Exception) -> list[EngineCoreOutput]:
+        request_ids = list(self._callers)
+        self.core.abort_requests(request_ids)
+        message = f"{type(err).__name__}: {err}"
+        return [EngineCoreOutput(rid, finish_reason="error", error=message) for rid in request_ids]
+
+    def _deliver(self, output: EngineCoreOutput) -> None:
+        caller = self._callers.get(output.request_id)
+        if caller is None:  # aborted meanwhile
+            return
+        if caller.on_progress is not None and output.progress is not None:
+            caller.loop.call_soon_threadsafe(caller.on_progress, *output.progress)
+        if not output.finished:
+            return
+        del self._callers[output.request_id]
+        if output.finish_reason == "error":
+            _resolve(caller, EngineError(output.error or "request failed", self.name))
+        else:
+            _resolve(caller, output.pooling_output)
+
+
+def _resolve(caller: _Caller, result: Any) -> None:
+    def settle() -> None:
+        if caller.future.done():
+            return
+        if isinstance(result, BaseException):
+            caller.future.set_exception(result)
+        else:
+            caller.future.set_result(result)
+
+    try:
+        caller.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's event loop is closed: nobody is waiting
+        pass

@@ -1,0 +1,39 @@
+"""One function per stage: its engine core, built from the preset's stage config."""
+
+from __future__ import annotations
+
+import torch
+
+from omni_ray.config import PipelineConfig
+from omni_ray.engine.core import EngineCore
+from omni_ray.engine.dit_scheduler import DiTScheduler
+from omni_ray.engine.encoder_core import EncoderEngineCore
+from omni_ray.engine.vae_scheduler import VAEScheduler
+from omni_ray.stages.decode import LatentDecoder
+from omni_ray.stages.denoise import DenoiseRunner
+from omni_ray.stages.encode import PromptTokenizer, VllmTextEncoder
+
+
+def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
+    """vLLM's engine core on the text encoder. vLLM binds threads for its whole process: give it its own."""
+    stage = config.encoder
+    encoder = VllmTextEncoder(
+        config.model,
+        dtype=stage.dtype,
+        max_num_seqs=stage.max_num_seqs,
+        max_model_len=stage.max_model_len,
+        kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
+    )
+    return EncoderEngineCore(PromptTokenizer(config.model), encoder, stage.max_sequence_length)
+
+
+def build_dit_core(config: PipelineConfig) -> EngineCore:
+    stage = config.dit
+    runner = DenoiseRunner(config.model, getattr(torch, stage.dtype), stage.device)
+    return EngineCore(DiTScheduler(stage.max_batch_size, stage.max_wait_steps), runner)
+
+
+def build_vae_core(config: PipelineConfig) -> EngineCore:
+    stage = config.vae
+    runner = LatentDecoder(config.model, getattr(torch, stage.dtype), stage.device)
+    return EngineCore(VAEScheduler(stage.max_batch_size), runner)

@@ -1,0 +1,48 @@
+"""The three stage engines chained in one process: what the Serve app does across replicas, without Ray.
+
+For tests and benchmarks. Each engine runs on its own thread; requests flow encoder -> DiT -> VAE as asyncio
+tasks, so concurrent requests batch in every stage. vLLM binds threads for its whole process, so a process that
+holds the encoder engine runs the other stages single-threaded too; the served app gives each stage its own.
+"""
+
+from __future__ import annotations
+
+from omni_ray.config import PipelineConfig
+from omni_ray.engine.async_engine import AsyncEngine, ProgressCallback
+from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
+from omni_ray.stages.decode import Decoded, DecodeRequest, OutputMode
+from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
+from omni_ray.stages.encode import EncodeRequest
+
+
+class EnginePipeline:
+    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine):
+        self.encoder, self.dit, self.vae = encoder, dit, vae
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> EnginePipeline:
+        return cls(
+            AsyncEngine(build_encoder_core(config), "encoder").start(),
+            AsyncEngine(build_dit_core(config), "dit").start(),
+            AsyncEngine(build_vae_core(config), "vae").start(),
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str,
+        params: DenoiseParams,
+        negative_prompt: str | None = None,
+        output: OutputMode = "pixels",
+        on_progress: ProgressCallback | None = None,
+    ) -> Decoded:
+        use_cfg = params.true_cfg_scale > 1 and negative_prompt is not None
+        encoded = await self.encoder.generate(EncodeRequest(request_id, prompt, negative_prompt if use_cfg else None))
+        latents = await self.dit.generate(
+            DenoiseRequest(request_id, params, encoded.prompt, encoded.negative), on_progress
+        )
+        return await self.vae.generate(DecodeRequest(request_id, latents, output))
+
+    def shutdown(self) -> None:
+        for engine in (self.encoder, self.dit, self.vae):
+            engine.shutdown()

@@ -1,0 +1,44 @@
+"""Batching for the VAE: each step decodes up to ``max_batch_size`` same-size latents, oldest request first."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from omni_ray.engine.output import EngineCoreOutput
+from omni_ray.engine.scheduler import Scheduler
+from omni_ray.stages.decode import DecodeBatch, DecodeOutput, DecodeRequest
+
+
+class VAEScheduler(Scheduler):
+    def __init__(self, max_batch_size: int):
+        assert max_batch_size > 0
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[DecodeRequest] = deque()
+
+    def add_request(self, request: DecodeRequest) -> None:
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str]) -> None:
+        # A decode finishes within the step that starts it, so only waiting requests can be aborted.
+        ids = set(request_ids)
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+
+    def schedule(self) -> DecodeBatch:
+        """The oldest request's size decides the batch; later requests of that size join it, in order."""
+        key = self.waiting[0].batch_key
+        batch, kept = [], deque()
+        for request in self.waiting:
+            (batch if request.batch_key == key and len(batch) < self.max_batch_size else kept).append(request)
+        self.waiting = kept
+        return DecodeBatch(requests=batch)
+
+    def update_from_output(self, scheduler_output: DecodeBatch, runner_output: DecodeOutput) -> list[EngineCoreOutput]:
+        outputs = [EngineCoreOutput(rid, result, "stop") for rid, result in runner_output.finished.items()]
+        outputs += [EngineCoreOutput(rid, finish_reason="error", error=msg) for rid, msg in runner_output.errors.items()]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        return False

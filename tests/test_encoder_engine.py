@@ -1,0 +1,98 @@
+"""The encoder engine is vLLM's EngineCore: its embeddings and the images it leads to match diffusers."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+
+from omni_ray.config import load_config
+from omni_ray.engine.builders import build_encoder_core
+from omni_ray.engine.pipeline import EnginePipeline
+from omni_ray.stages.denoise import DenoiseParams
+from omni_ray.stages.encode import EncodeRequest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["a red cat", "an oil painting of a lighthouse on a cliff at sunset, waves crashing", "a cup", "night"]
+
+
+@pytest.fixture(scope="module")
+def config(tiny_dir):
+    return load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    return QwenImagePipeline.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def pipeline(config):
+    pipeline = EnginePipeline.from_config(config)
+    yield pipeline
+    pipeline.shutdown()
+
+
+def test_embeddings_match_diffusers_encode_prompt(pipeline, reference):
+    core = pipeline.encoder.core  # driven directly here: the engine's thread is idle while nothing is queued
+    requests = [EncodeRequest(f"e{i}", p, "blurry" if i % 2 else None) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        core.add_request(request)
+    results, steps = {}, 0
+    while core.has_unfinished_requests():
+        results.update({o.request_id: o.pooling_output for o in core.step()})
+        steps += 1
+    assert steps < len(PROMPTS) + 2  # vLLM's scheduler ran the six sequences together, not one step each
+    for request in requests:
+        expected, _ = reference.encode_prompt(request.prompt, device="cpu")
+        got = results[request.request_id]
+        assert got.prompt.embeds.shape == expected[0].shape
+        assert (got.prompt.embeds - expected[0]).abs().max().item() < 1e-4
+        if request.negative_prompt is None:
+            assert got.negative is None
+        else:
+            negative, _ = reference.encode_prompt("blurry", device="cpu")
+            assert (got.negative.embeds - negative[0]).abs().max().item() < 1e-4
+
+
+def test_abort_before_the_step_leaves_nothing(pipeline):
+    core = pipeline.encoder.core
+    core.add_request(EncodeRequest("gone", "a red cat", "blurry"))
+    core.abort_requests(["gone"])
+    assert not core.has_unfinished_requests() and core.step() == []
+
+
+def test_whole_pipeline_matches_diffusers_within_one_level(pipeline, reference):
+    cases = [
+        ("a red cat", None, DenoiseParams(64, 64, 4, seed=0)),
+        ("a lighthouse at sunset", "blurry, low quality", DenoiseParams(64, 96, 3, seed=5, true_cfg_scale=4.0)),
+        ("two children flying a kite", "dark", DenoiseParams(64, 96, 4, seed=9, true_cfg_scale=3.0)),
+    ]
+
+    async def main():
+        return await asyncio.gather(
+            *(pipeline.generate(f"p{i}", prompt, params, negative) for i, (prompt, negative, params) in enumerate(cases))
+        )
+
+    results = asyncio.run(main())
+    for (prompt, negative, params), result in zip(cases, results):
+        expected = reference(
+            prompt, negative_prompt=negative, true_cfg_scale=params.true_cfg_scale, height=params.height,
+            width=params.width, num_inference_steps=params.num_inference_steps,
+            generator=torch.Generator("cpu").manual_seed(params.seed),
+        ).images[0]
+        expected = np.asarray(expected)
+        assert result.pixels.shape == expected.shape == (params.height, params.width, 3)
+        assert expected.std() > 10
+        assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_latents_output_mode_skips_the_decode(pipeline):
+    result = asyncio.run(pipeline.generate("lat", "a red cat", DenoiseParams(64, 64, 2, seed=0), output="latents"))
+    assert result.pixels is None and result.latents.latents.shape == (16, 64)
+    both = asyncio.run(pipeline.generate("both", "a red cat", DenoiseParams(64, 64, 2, seed=0), output="both"))
+    assert both.pixels.shape == (64, 64, 3) and torch.equal(both.latents.latents, result.latents.latents)

@@ -1,0 +1,172 @@
+"""The DiT and VAE schedulers, driven by hand-built runner outputs: no model, no tensors beyond placeholders."""
+
+import torch
+
+from omni_ray.engine.dit_scheduler import DiTScheduler
+from omni_ray.engine.vae_scheduler import VAEScheduler
+from omni_ray.stages.decode import Decoded, DecodeOutput, DecodeRequest
+from omni_ray.stages.denoise import DenoiseBatch, DenoiseOutput, DenoiseParams, DenoiseRequest, Latents
+from omni_ray.stages.encode import PromptEmbeds
+
+SQUARE, WIDE = (64, 64), (64, 96)
+
+
+def request(request_id, steps, size=SQUARE, cfg=False):
+    negative = PromptEmbeds(torch.zeros(2, 4)) if cfg else None
+    params = DenoiseParams(size[0], size[1], steps, seed=0, true_cfg_scale=4.0 if cfg else 1.0)
+    return DenoiseRequest(request_id, params, PromptEmbeds(torch.zeros(3, 4)), negative)
+
+
+class FakeRunner:
+    """Counts steps per request the way DenoiseRunner does, and fails the requests it is told to."""
+
+    def __init__(self, fail=()):
+        self.steps: dict[str, tuple[int, int]] = {}
+        self.fail = set(fail)
+        self.batches: list[DenoiseBatch] = []
+
+    def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
+        self.batches.append(batch)
+        for request_id in batch.freed_ids:
+            del self.steps[request_id]
+        output = DenoiseOutput(finished={}, errors={}, progress={})
+        for new in batch.new_requests:
+            if new.request_id in self.fail:
+                output.errors[new.request_id] = "boom"
+            else:
+                self.steps[new.request_id] = (0, new.params.num_inference_steps)
+        for request_id in batch.request_ids:
+            if request_id not in self.steps:
+                continue
+            done, total = self.steps[request_id]
+            self.steps[request_id] = (done + 1, total)
+            output.progress[request_id] = (done + 1, total)
+            if done + 1 == total:
+                output.finished[request_id] = Latents(torch.zeros(1), 64, 64)
+                del self.steps[request_id]
+        return output
+
+
+def step(scheduler, runner):
+    """One engine step, as EngineCore.step runs it; returns (ids stepped, outputs)."""
+    batch = scheduler.schedule()
+    outputs = scheduler.update_from_output(batch, runner.execute_model(batch))
+    return batch.request_ids, outputs
+
+
+def run(scheduler, runner, num_steps):
+    return [step(scheduler, runner)[0] for _ in range(num_steps)]
+
+
+def assert_no_trace(scheduler, runner):
+    assert not scheduler.has_requests()
+    held = (scheduler.waiting, scheduler.running, scheduler.key_of, scheduler.arrived_at, scheduler.last_served)
+    assert not any(held) and scheduler.freed_ids == []
+    assert runner.steps == {}
+
+
+def test_mixed_step_counts_leave_when_done():
+    scheduler, runner = DiTScheduler(max_batch_size=8, max_wait_steps=4), FakeRunner()
+    for request_id, steps in [("a", 2), ("b", 4), ("c", 3)]:
+        scheduler.add_request(request(request_id, steps))
+    assert run(scheduler, runner, 4) == [["a", "b", "c"], ["a", "b", "c"], ["b", "c"], ["b"]]
+    assert_no_trace(scheduler, runner)
+
+
+def test_new_requests_join_at_step_boundaries():
+    scheduler, runner = DiTScheduler(max_batch_size=8, max_wait_steps=4), FakeRunner()
+    scheduler.add_request(request("a", 3))
+    assert run(scheduler, runner, 1) == [["a"]]
+    scheduler.add_request(request("b", 2))
+    ids, outputs = step(scheduler, runner)
+    assert ids == ["a", "b"] and [r.request_id for r in runner.batches[-1].new_requests] == ["b"]
+    assert [(o.request_id, o.progress, o.finished) for o in outputs] == [("a", (2, 3), False), ("b", (1, 2), False)]
+    ids, outputs = step(scheduler, runner)
+    assert ids == ["a", "b"]
+    assert sorted(o.request_id for o in outputs if o.finished) == ["a", "b"]
+    assert all(o.finish_reason == "stop" and isinstance(o.pooling_output, Latents) for o in outputs)
+    assert_no_trace(scheduler, runner)
+
+
+def test_batch_limit_admits_waiting_requests_as_slots_free():
+    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4), FakeRunner()
+    for request_id, steps in [("a", 1), ("b", 3), ("c", 2), ("d", 1)]:
+        scheduler.add_request(request(request_id, steps))
+    assert run(scheduler, runner, 4) == [["a", "b"], ["b", "c"], ["b", "c"], ["d"]]
+    assert_no_trace(scheduler, runner)
+
+
+def test_keys_never_share_a_batch_and_a_waiting_key_runs_when_the_running_one_drains():
+    scheduler, runner = DiTScheduler(max_batch_size=8, max_wait_steps=10), FakeRunner()
+    scheduler.add_request(request("a", 2))
+    scheduler.add_request(request("wide", 2, size=WIDE))
+    scheduler.add_request(request("b", 2))
+    scheduler.add_request(request("cfg", 1, cfg=True))
+    assert run(scheduler, runner, 5) == [["a", "b"], ["a", "b"], ["wide"], ["wide"], ["cfg"]]
+    assert_no_trace(scheduler, runner)
+
+
+def test_a_waiting_key_gets_the_engine_after_max_wait_steps():
+    scheduler, runner = DiTScheduler(max_batch_size=8, max_wait_steps=2), FakeRunner()
+    scheduler.add_request(request("long", 6))
+    assert run(scheduler, runner, 1) == [["long"]]
+    scheduler.add_request(request("wide", 3, size=WIDE))
+    # "wide" waits two steps, then the keys take turns: each runs until the other has waited two steps.
+    assert run(scheduler, runner, 8) == [
+        ["long"], ["long"], ["wide"], ["wide"], ["long"], ["long"], ["wide"], ["long"],
+    ]
+    assert_no_trace(scheduler, runner)
+
+
+def test_abort_running_and_waiting_requests():
+    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4), FakeRunner()
+    for request_id in "abc":
+        scheduler.add_request(request(request_id, 4))
+    assert run(scheduler, runner, 1) == [["a", "b"]]
+    scheduler.finish_requests(["b", "c", "unknown"])  # b runs, c waits
+    ids, _ = step(scheduler, runner)
+    assert ids == ["a"] and runner.batches[-1].freed_ids == ["b"]
+    assert "b" not in runner.steps
+    assert run(scheduler, runner, 2) == [["a"], ["a"]]
+    assert_no_trace(scheduler, runner)
+
+
+def test_abort_of_the_last_request_still_frees_the_runner():
+    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4), FakeRunner()
+    scheduler.add_request(request("a", 4))
+    run(scheduler, runner, 1)
+    scheduler.finish_requests(["a"])
+    assert not scheduler.has_unfinished_requests() and scheduler.has_requests()
+    assert step(scheduler, runner)[0] == []
+    assert_no_trace(scheduler, runner)
+
+
+def test_a_failed_request_leaves_alone():
+    scheduler, runner = DiTScheduler(max_batch_size=4, max_wait_steps=4), FakeRunner(fail={"bad"})
+    scheduler.add_request(request("ok", 2))
+    scheduler.add_request(request("bad", 2))
+    ids, outputs = step(scheduler, runner)
+    assert ids == ["ok", "bad"]
+    errors = [o for o in outputs if o.finish_reason == "error"]
+    assert [(o.request_id, o.error) for o in errors] == [("bad", "boom")]
+    assert run(scheduler, runner, 1) == [["ok"]]
+    assert_no_trace(scheduler, runner)
+
+
+def decode_request(request_id, size):
+    return DecodeRequest(request_id, Latents(torch.zeros(1), *size))
+
+
+def test_vae_batches_same_size_oldest_first():
+    scheduler = VAEScheduler(max_batch_size=2)
+    for request_id, size in [("a", SQUARE), ("w1", WIDE), ("b", SQUARE), ("c", SQUARE), ("w2", WIDE)]:
+        scheduler.add_request(decode_request(request_id, size))
+    scheduler.finish_requests(["c"])
+    batches = []
+    while scheduler.has_requests():
+        batch = scheduler.schedule()
+        batches.append([r.request_id for r in batch.requests])
+        result = DecodeOutput(finished={r.request_id: Decoded(None, None) for r in batch.requests}, errors={})
+        outputs = scheduler.update_from_output(batch, result)
+        assert [o.request_id for o in outputs] == batches[-1] and all(o.finished for o in outputs)
+    assert batches == [["a", "b"], ["w1", "w2"]]
