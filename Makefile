@@ -16,7 +16,7 @@ TINY_DIR := $(HOME)/.cache/omni-ray/qwen-image-tiny
 # GPU machines take the CUDA build of vLLM; every other machine the CPU build.
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install test serve clean
+.PHONY: install test serve bench clean
 
 install: $(STAMP) $(TINY_DIR)/model_index.json
 
@@ -49,3 +49,6 @@ serve: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+bench: install
+	$(PY) benchmarks/engine_throughput.py

@@ -105,6 +105,32 @@ class VAEConfig(_StageConfig):
     max_batch_size: PositiveInt = Field(4, description="Most same-size latents decoded in one VAE call.")
 
 
+class RequestLimits(_Frozen):
+    """What requests may ask of this preset, and what they get when they do not say."""
+
+    default_width: PositiveInt = Field(1328, description="Image width when a request gives no size.")
+    default_height: PositiveInt = Field(1328, description="Image height when a request gives no size.")
+    default_steps: PositiveInt = Field(50, description="Denoising steps when a request gives none.")
+    min_side: PositiveInt = Field(256, description="Smallest image side a request may ask for, in pixels.")
+    max_side: PositiveInt = Field(2048, description="Largest image side a request may ask for, in pixels.")
+    size_multiple: PositiveInt = Field(
+        16, description="Image sides must be multiples of this: the VAE's 8x compression times the 2x2 packing."
+    )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> RequestLimits:
+        if self.min_side > self.max_side:
+            raise ValueError(f"min_side ({self.min_side}) exceeds max_side ({self.max_side})")
+        for name in ("default_width", "default_height", "min_side", "max_side"):
+            value = getattr(self, name)
+            if value % self.size_multiple:
+                raise ValueError(f"{name} ({value}) is not a multiple of size_multiple ({self.size_multiple})")
+        for name in ("default_width", "default_height"):
+            if not self.min_side <= getattr(self, name) <= self.max_side:
+                raise ValueError(f"{name} is outside min_side..max_side")
+        return self
+
+
 class PipelineConfig(_Frozen):
     """One Qwen-Image preset: the checkpoint and its three stages."""
 
@@ -114,6 +140,12 @@ class PipelineConfig(_Frozen):
         min_length=1,
         description="Checkpoint in diffusers' layout: a local directory, or a hub id such as 'Qwen/Qwen-Image'.",
     )
+    build_if_missing: Literal["tiny", "small"] | None = Field(
+        None,
+        description="Write this offline checkpoint (omni_ray.tiny, seed 0) to `model` on first start when the "
+        "directory is missing; for the CPU presets.",
+    )
+    requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
     encoder: EncoderConfig = Field(default_factory=EncoderConfig, description="Encoder stage.")
     dit: DiTConfig = Field(default_factory=DiTConfig, description="Denoising stage.")
     vae: VAEConfig = Field(default_factory=VAEConfig, description="Decoding stage.")
@@ -164,6 +196,10 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
         raise ConfigError(f"{source}: {_describe(err)}") from None
     if config.is_local:
         model_dir = pathlib.Path(config.model).expanduser()
+        if config.build_if_missing and not model_dir.exists():
+            from omni_ray.tiny import write_checkpoint
+
+            write_checkpoint(model_dir, seed=0, size=config.build_if_missing)
         if not (model_dir / "model_index.json").is_file():
             raise ConfigError(
                 f"{source}: model: {config.model!r} is not a checkpoint directory (no model_index.json); "

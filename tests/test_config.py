@@ -78,8 +78,16 @@ def test_invalid_configs_name_the_field(tiny_dir, edit, field, message):
 def test_missing_model_directory_is_rejected(tiny_dir, model):
     data = tiny_preset(tiny_dir)
     data["model"] = model
+    del data["build_if_missing"]
     with pytest.raises(ConfigError, match=r"model: .* is not a checkpoint directory"):
         parse_config(data)
+
+
+def test_tiny_preset_builds_its_checkpoint_when_missing(tiny_dir, tmp_path):
+    data = tiny_preset(tiny_dir)
+    data["model"] = str(tmp_path / "built")
+    config = parse_config(data)
+    assert (tmp_path / "built" / "model_index.json").is_file() and config.model == str(tmp_path / "built")
 
 
 def test_directory_without_checkpoint_is_rejected(tiny_dir, tmp_path):

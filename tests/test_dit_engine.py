@@ -126,7 +126,7 @@ def test_a_request_that_fails_inside_the_step_fails_alone(runner, requests, solo
 
 
 def test_async_driver_batches_concurrent_callers_and_reports_progress(runner, requests, solo):
-    engine = AsyncEngine(EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner), "dit").start()
+    engine = AsyncEngine(lambda: EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner), "dit").start()
     progress = {request.request_id: [] for request in requests}
 
     async def main():
@@ -148,7 +148,7 @@ def test_async_driver_batches_concurrent_callers_and_reports_progress(runner, re
 
 def test_cancelling_the_caller_aborts_the_request(runner, requests):
     scheduler = DiTScheduler(max_batch_size=8, max_wait_steps=4)
-    engine = AsyncEngine(EngineCore(scheduler, runner), "dit").start()
+    engine = AsyncEngine(lambda: EngineCore(scheduler, runner), "dit").start()
     long = DenoiseRequest("long", DenoiseParams(64, 64, 200, seed=3), requests[0].prompt)
 
     async def main():
@@ -174,7 +174,7 @@ def test_cancelling_the_caller_aborts_the_request(runner, requests):
 
 
 def test_duplicate_ids_and_dead_loops_are_engine_errors(runner, requests):
-    engine = AsyncEngine(EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner), "dit").start()
+    engine = AsyncEngine(lambda: EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner), "dit").start()
 
     async def twice():
         first = asyncio.create_task(engine.generate(requests[3]))

@@ -22,9 +22,9 @@ class EnginePipeline:
     @classmethod
     def from_config(cls, config: PipelineConfig) -> EnginePipeline:
         return cls(
-            AsyncEngine(build_encoder_core(config), "encoder").start(),
-            AsyncEngine(build_dit_core(config), "dit").start(),
-            AsyncEngine(build_vae_core(config), "vae").start(),
+            AsyncEngine(lambda: build_encoder_core(config), "encoder").start(),
+            AsyncEngine(lambda: build_dit_core(config), "dit").start(),
+            AsyncEngine(lambda: build_vae_core(config), "vae").start(),
         )
 
     async def generate(

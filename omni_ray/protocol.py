@@ -1,0 +1,109 @@
+"""The request and response records of omni-ray's images API, after OpenAI's images API.
+
+``ImageGenerationRequest`` is what ``POST /v1/images/generations`` and the Python client send; it is validated once,
+at the coordinator, against the preset's limits, and every error names the field it is about.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from omni_ray.config import PipelineConfig
+from omni_ray.errors import RequestError
+
+OutputFormat = Literal["png", "jpeg", "webp"]
+MAX_SEED = 2**63 - 1
+
+
+class ImageGenerationRequest(BaseModel):
+    """OpenAI's image generation body, plus Qwen-Image's own knobs (negative prompt, steps, true CFG, seed)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str = Field(..., description="What to draw.")
+    model: str | None = Field(None, description="The served model's name; optional, checked when given.")
+    n: int = Field(1, ge=1, le=10, description="Images to draw; image i uses seed + i.")
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; the preset's default when omitted.")
+    response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 images are served.")
+    output_format: OutputFormat = Field("png", description="Image file format.")
+    output_compression: int | None = Field(None, ge=0, le=100, description="JPEG/WebP quality, 0 to 100.")
+    negative_prompt: str | None = Field(None, description="What to steer away from; turns true CFG on.")
+    num_inference_steps: int | None = Field(None, ge=1, le=200, description="Denoising steps.")
+    true_cfg_scale: float = Field(4.0, ge=1.0, le=20.0, description="True CFG scale; CFG runs when > 1 with a negative prompt.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the first image; random when omitted.")
+    user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+
+    @field_validator("true_cfg_scale", mode="before")
+    @classmethod
+    def _int_is_a_number(cls, value):
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+def parse_request(body: object) -> ImageGenerationRequest:
+    """Validates a decoded JSON body; raises RequestError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", param=None)
+    try:
+        return ImageGenerationRequest.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
+        raise RequestError(f"{param}: {message}" if param else message, param=param) from None
+
+
+def resolve_size(request: ImageGenerationRequest, config: PipelineConfig) -> tuple[int, int]:
+    """(height, width) for the request, checked against the preset's limits."""
+    limits = config.requests
+    if request.size in (None, "auto"):
+        return limits.default_height, limits.default_width
+    try:
+        width, height = (int(side) for side in request.size.lower().split("x"))
+    except ValueError:
+        raise RequestError(f"size: expected 'WIDTHxHEIGHT', got {request.size!r}", param="size") from None
+    for name, side in (("width", width), ("height", height)):
+        if side % limits.size_multiple:
+            raise RequestError(f"size: {name} {side} is not a multiple of {limits.size_multiple}", param="size")
+        if not limits.min_side <= side <= limits.max_side:
+            raise RequestError(
+                f"size: {name} {side} is outside {limits.min_side}..{limits.max_side}", param="size"
+            )
+    return height, width
+
+
+def encode_image(pixels: np.ndarray, output_format: OutputFormat, compression: int | None = None) -> bytes:
+    """uint8 ``[H, W, 3]`` pixels as a PNG, JPEG or WebP file."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    options = {} if output_format == "png" or compression is None else {"quality": compression}
+    Image.fromarray(pixels).save(buffer, format=output_format.upper(), **options)
+    return buffer.getvalue()
+
+
+def images_response(files: list[bytes], request: ImageGenerationRequest, height: int, width: int) -> dict:
+    """OpenAI's images response body."""
+    return {
+        "created": int(time.time()),
+        "data": [{"b64_json": base64.b64encode(data).decode()} for data in files],
+        "output_format": request.output_format,
+        "size": f"{width}x{height}",
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
