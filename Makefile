@@ -45,10 +45,11 @@ test: install
 	$(PY) -m pytest
 
 serve: install
-	$(PY) -m omni_ray.pipeline "a lighthouse on a cliff at sunset" --out omni-ray.png
+	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run config.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache
 
 bench: install
-	$(PY) benchmarks/engine_throughput.py
+	$(PY) -m benchmarks.engine_throughput
+	$(PY) -m benchmarks.serve_overhead

@@ -1,6 +1,6 @@
 """DiT and end-to-end throughput of omni-ray's engines against diffusers' QwenImagePipeline, one request at a time.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--sizes tiny small] [--batches 1 2 4 8 16] [--steps 8]
+    .venv/bin/python -m benchmarks.engine_throughput [--sizes tiny small] [--batches 1 2 4 8 16] [--steps 8]
 
 For each checkpoint size and batch size b, the same b requests (different prompts and seeds, true CFG on with a
 negative prompt, as Qwen-Image is served) run:
@@ -225,9 +225,9 @@ def main() -> None:
     runs = []
     for size in args.sizes:
         part = RESULTS / f"engine_throughput.{size}.tmp"
-        command = [sys.executable, __file__, "--worker", size, "--steps", str(args.steps), "--repeats",
+        command = [sys.executable, "-m", "benchmarks.engine_throughput", "--worker", size, "--steps", str(args.steps), "--repeats",
                    str(args.repeats), "--out", str(part), "--batches", *map(str, args.batches)]
-        subprocess.run(command, env=env, check=True)
+        subprocess.run(command, env=env, check=True, cwd=REPO)
         runs.append(json.loads(part.read_text()))
         part.unlink()
     report = summarise(runs)

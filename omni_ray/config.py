@@ -146,6 +146,10 @@ class PipelineConfig(_Frozen):
         "directory is missing; for the CPU presets.",
     )
     requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
+    coordinator: DeploymentConfig = Field(
+        default_factory=lambda: DeploymentConfig(max_ongoing_requests=256),
+        description="Ray Serve options for the coordinator ingress (CPU only; it holds no tensors).",
+    )
     encoder: EncoderConfig = Field(default_factory=EncoderConfig, description="Encoder stage.")
     dit: DiTConfig = Field(default_factory=DiTConfig, description="Denoising stage.")
     vae: VAEConfig = Field(default_factory=VAEConfig, description="Decoding stage.")

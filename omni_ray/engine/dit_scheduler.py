@@ -8,7 +8,7 @@ at any step: when another key has waited ``max_wait_steps`` steps, the scheduler
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
@@ -31,6 +31,7 @@ class DiTScheduler(Scheduler):
         self.current_key: BatchKey | None = None
         self.num_steps = 0
         self.num_arrivals = 0
+        self.batch_sizes: Counter[int] = Counter()  # requests per step -> steps run with that many
 
     def add_request(self, request: DenoiseRequest) -> None:
         assert request.request_id not in self.key_of, f"duplicate request id {request.request_id}"
@@ -61,6 +62,7 @@ class DiTScheduler(Scheduler):
         new = self._admit(key, self.max_batch_size - len(running))
         running.extend(request.request_id for request in new)
         self.last_served[key] = self.num_steps
+        self.batch_sizes[len(running)] += 1
         return DenoiseBatch(new_requests=new, request_ids=list(running), freed_ids=freed)
 
     def update_from_output(self, scheduler_output: DenoiseBatch, runner_output: DenoiseOutput) -> list[EngineCoreOutput]:

@@ -1,0 +1,62 @@
+"""The app builder: ``serve run deployments.app:build_app stage_config=... model=...`` or ``serve run config.yaml``."""
+
+from __future__ import annotations
+
+import pathlib
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve import Application
+
+from deployments.coordinator import Coordinator
+from deployments.stages import VAE, DiT, Encoder
+from omni_ray.config import DeploymentConfig, PipelineConfig, load_config
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+class AppArgs(BaseModel):
+    """Arguments of ``build_app``, from a Serve config's ``args`` or ``serve run``'s ``key=value`` pairs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage_config: str = Field(
+        "stage_configs/qwen_image_tiny.yaml",
+        description="Preset YAML: a path, or one relative to the current directory or to this repository.",
+    )
+    model: str | None = Field(None, description="Checkpoint directory or hub id overriding the preset's `model`.")
+
+
+def build_app(args: dict) -> Application:
+    """Binds the coordinator to the three stage deployments, each built from its stage config."""
+    app_args = AppArgs.model_validate(args)
+    config = load_config(resolve_stage_config(app_args.stage_config), model=app_args.model)
+    encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
+    dit = stage_deployment(DiT, config.dit.deployment).bind(config)
+    vae = stage_deployment(VAE, config.vae.deployment).bind(config)
+    return stage_deployment(Coordinator, config.coordinator).bind(encoder, dit, vae, config)
+
+
+def stage_deployment(cls: type, options: DeploymentConfig) -> serve.Deployment:
+    """A Serve deployment of ``cls`` with the preset's placement options."""
+    return serve.deployment(cls).options(**deployment_options(options))
+
+
+def deployment_options(options: DeploymentConfig) -> dict:
+    """The preset's options in Serve's terms."""
+    result = {
+        "max_ongoing_requests": options.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus},
+    }
+    if options.autoscaling is not None:
+        result["autoscaling_config"] = options.autoscaling.model_dump()
+    else:
+        result["num_replicas"] = options.num_replicas or 1
+    return result
+
+
+def resolve_stage_config(path: str) -> pathlib.Path:
+    candidate = pathlib.Path(path).expanduser()
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    return REPO / candidate

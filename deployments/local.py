@@ -1,0 +1,95 @@
+"""A local Ray cluster serving a Serve config, for tests and benchmarks: `ray start` then `serve run`.
+
+    with LocalServe("config.yaml", model="/tmp/tiny") as served:
+        ...  # served.base_url, served.address
+
+The head runs without the dashboard (it costs about 1.4 GB) and with more logical CPUs than cores, so the CPU
+presets' fractional replicas always fit.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import yaml
+
+BIN = pathlib.Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServe:
+    """Starts a Ray head and `serve run` on a copy of ``config`` (free port, optional model override)."""
+
+    def __init__(self, config: str | pathlib.Path, model: str | None = None, num_cpus: int = 4,
+                 ready_timeout_s: float = 300.0):
+        self.config = yaml.safe_load(pathlib.Path(config).read_text())
+        self.port, self.gcs_port = free_port(), free_port()
+        self.config["http_options"]["port"] = self.port
+        if model is not None:
+            self.config["applications"][0]["args"]["model"] = model
+        self.num_cpus = num_cpus
+        self.ready_timeout_s = ready_timeout_s
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="omni-ray-serve-"))
+        self.log_path = self.workdir / "serve.log"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> LocalServe:
+        (self.workdir / "config.yaml").write_text(yaml.safe_dump(self.config))
+        subprocess.run(
+            [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
+             "--include-dashboard=false", "--disable-usage-stats"],
+            check=True, env=self.env, capture_output=True, timeout=120,
+        )
+        self.process = subprocess.Popen(
+            [str(BIN / "serve"), "run", "config.yaml", f"--address={self.address}"],
+            cwd=self.workdir, env=self.env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve run exited:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"serve run not ready in {self.ready_timeout_s:.0f} s:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/v1/models", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)

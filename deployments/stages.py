@@ -1,0 +1,82 @@
+"""The three stage deployments: shims that start an engine and turn each call into one awaited request.
+
+Arguments arrive already resolved: the coordinator passes the previous stage's ``DeploymentResponse``, and Ray
+hands its object from replica to replica, so these methods receive records, never references.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omni_ray.config import PipelineConfig
+from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
+from omni_ray.stages.decode import Decoded, DecodeRequest, OutputMode
+from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, Latents
+from omni_ray.stages.encode import EncodedPrompt, EncodeRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+class _EngineShim:
+    """What every stage deployment does besides its one call: start, health, shutdown."""
+
+    stage = ""
+
+    def __init__(self, build_core):
+        self.engine = AsyncEngine(build_core, self.stage).start()
+        logger.info("%s engine started", self.stage)
+
+    def check_health(self) -> None:
+        """Serve restarts the replica when this raises: the engine loop died or one step hangs."""
+        self.engine.check_health()
+
+    def __del__(self) -> None:
+        # Serve calls this on graceful shutdown; it stops the loop and shuts the core down (vLLM's included, which
+        # otherwise leaves a /tmp/vllm_dist_* file behind per replica).
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class Encoder(_EngineShim):
+    """Qwen2.5-VL under vLLM's engine core: prompts to prompt embeddings."""
+
+    stage = "encoder"
+
+    def __init__(self, config: PipelineConfig):
+        super().__init__(lambda: build_encoder_core(config))
+
+    async def encode(self, request: EncodeRequest) -> EncodedPrompt:
+        return await self.engine.generate(request)
+
+
+class DiT(_EngineShim):
+    """The Qwen-Image transformer under the step-batching engine: embeddings to latents."""
+
+    stage = "dit"
+
+    def __init__(self, config: PipelineConfig):
+        super().__init__(lambda: build_dit_core(config))
+
+    async def denoise(self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt) -> Latents:
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative)
+        latents = await self.engine.generate(request)
+        logger.info("request %s denoised (%d steps)", request_id, params.num_inference_steps)
+        return latents
+
+    def batch_sizes(self) -> dict[int, int]:
+        """Steps run so far, by how many requests each advanced: shows the step-level batching at work."""
+        return dict(self.engine.core.scheduler.batch_sizes)
+
+
+class VAE(_EngineShim):
+    """The VAE under the batched decode engine: latents to pixels."""
+
+    stage = "vae"
+
+    def __init__(self, config: PipelineConfig):
+        super().__init__(lambda: build_vae_core(config))
+
+    async def decode(self, request_id: str, latents: Latents, output: OutputMode = "pixels") -> Decoded:
+        return await self.engine.generate(DecodeRequest(request_id, latents, output))
