@@ -44,10 +44,10 @@ def stage_deployment(cls: type, options: DeploymentConfig) -> serve.Deployment:
 
 def deployment_options(options: DeploymentConfig) -> dict:
     """The preset's options in Serve's terms."""
-    result = {
-        "max_ongoing_requests": options.max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus},
-    }
+    actor = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus}
+    if options.torch_threads is not None:
+        actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(options.torch_threads)}}
+    result = {"max_ongoing_requests": options.max_ongoing_requests, "ray_actor_options": actor}
     if options.autoscaling is not None:
         result["autoscaling_config"] = options.autoscaling.model_dump()
     else:

@@ -57,6 +57,11 @@ class DeploymentConfig(_Frozen):
     )
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs each replica reserves.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (1 for a GPU stage).")
+    torch_threads: PositiveInt | None = Field(
+        None,
+        description="CPU threads for each replica's torch (OMP_NUM_THREADS); unset, Ray gives the replica's whole "
+        "CPUs, at least 1. CPU presets raise it so that fractional replicas still use every core.",
+    )
 
     @model_validator(mode="after")
     def _check_scaling(self) -> DeploymentConfig:
