@@ -1,0 +1,165 @@
+"""The KubeRay manifests: valid against the RayService CRD, their Serve config valid and in step with config.gpu.yaml,
+and the placement the app builder produces is what the worker groups are sized for."""
+
+import copy
+import importlib
+
+import jsonschema
+import pytest
+import yaml
+
+from conftest import REPO
+from deployments.app import AppArgs, build_app
+
+CRD = REPO.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
+MANIFESTS = sorted((REPO / "k8s").glob("*.yaml"))
+STAGES = {"Encoder", "DiT", "VAE"}
+
+
+def strict(schema: dict) -> dict:
+    """The CRD's schema, with unknown fields rejected as the API server's strict field validation does."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+@pytest.fixture(scope="module")
+def validator():
+    crd = yaml.safe_load(CRD.read_text())
+    (v1,) = [version for version in crd["spec"]["versions"] if version["name"] == "v1"]
+    schema = strict(v1["schema"]["openAPIV3Schema"])
+    # apiVersion, kind and metadata are checked by Kubernetes itself, outside the CRD's schema.
+    schema["properties"]["metadata"] = {"type": "object", "required": ["name"]}
+    return jsonschema.Draft7Validator(schema)
+
+
+def rayservices():
+    docs = [(path, doc) for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+    assert docs, "no manifests in k8s/"
+    return docs
+
+
+def errors(validator, doc) -> list[str]:
+    found = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+    if doc.get("apiVersion") != "ray.io/v1" or doc.get("kind") != "RayService":
+        found.append("not a ray.io/v1 RayService")
+    return found
+
+
+def test_every_manifest_is_a_valid_rayservice(validator):
+    for path, doc in rayservices():
+        assert errors(validator, doc) == [], path.name
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].update(minReplica=3),  # typo: unknown field
+        lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].update(maxReplicas="six"),  # wrong type
+        lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"].pop("template"),  # required field missing
+        lambda d: d["spec"].pop("rayClusterConfig"),
+        lambda d: d.update(kind="RayCluster"),
+    ],
+)
+def test_a_broken_copy_fails(validator, breakage):
+    _, doc = rayservices()[0]
+    broken = copy.deepcopy(doc)
+    breakage(broken)
+    assert errors(validator, broken) != []
+
+
+def serve_config(doc) -> dict:
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    return config
+
+
+def test_serve_config_validates_and_matches_config_gpu_yaml():
+    gpu = yaml.safe_load((REPO / "config.gpu.yaml").read_text())
+    for _, doc in rayservices():
+        config = serve_config(doc)
+        assert [a["name"] for a in config["applications"]] == [a["name"] for a in gpu["applications"]]
+        for app, reference in zip(config["applications"], gpu["applications"]):
+            module, attr = app["import_path"].split(":")
+            assert getattr(importlib.import_module(module), attr) is build_app
+            args = AppArgs.model_validate(app["args"])
+            assert args.stage_config == AppArgs.model_validate(reference["args"]).stage_config
+            assert (app["route_prefix"], app["import_path"]) == (reference["route_prefix"], reference["import_path"])
+            assert deployments(app["args"]).keys() == deployments(reference["args"]).keys() == STAGES | {"Coordinator"}
+
+
+def deployments(args: dict) -> dict:
+    """The app's deployments by name, as Serve builds them. The model is swapped for the hub id: the manifest's
+    volume path does not exist here, and placement comes from the stage config alone."""
+    from ray.serve._private.build_app import build_app as serve_build  # internal: pinned with ray 2.60
+
+    app = build_app({**args, "model": "Qwen/Qwen-Image"})
+    return {d.name: d for d in serve_build(app, name="omni-ray").deployments}
+
+
+def replica_range(deployment) -> tuple[int, int]:
+    autoscaling = deployment._deployment_config.autoscaling_config
+    if autoscaling is not None:
+        return autoscaling.min_replicas, autoscaling.max_replicas
+    return deployment.num_replicas, deployment.num_replicas
+
+
+def quantity(value) -> float:
+    return float(str(value).removesuffix("Gi"))
+
+
+def test_builder_placement_is_what_the_worker_groups_are_sized_for():
+    for path, doc in rayservices():
+        (app,) = serve_config(doc)["applications"]
+        built = deployments(app["args"])
+        cluster = doc["spec"]["rayClusterConfig"]
+        assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+        (group,) = cluster["workerGroupSpecs"]
+        container = group["template"]["spec"]["containers"][0]
+        gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        assert gpus_per_pod == 1
+        for name in STAGES:
+            options = built[name].ray_actor_options
+            assert options["num_gpus"] == 1, name  # one GPU per stage replica
+            assert options["num_cpus"] <= quantity(container["resources"]["requests"]["cpu"]), name
+        assert built["Coordinator"].ray_actor_options["num_gpus"] == 0
+        low = sum(replica_range(built[name])[0] for name in STAGES)
+        high = sum(replica_range(built[name])[1] for name in STAGES)
+        assert (low, high) == (group["minReplicas"], group["maxReplicas"]), path.name
+        assert replica_range(built["DiT"]) == (1, 4)
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["dshm"] == "/dev/shm" and app["args"]["model"].startswith(mounts["models"] + "/")
+
+
+def test_dockerfile_installs_the_package_with_gpu_vllm_on_a_ray_gpu_image():
+    dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
+    assert "FROM rayproject/ray:2.60.0-py311-gpu" in dockerfile
+    assert '.[gpu]' in dockerfile
+    images = {c["image"] for _, doc in rayservices() for c in containers(doc)}
+    assert len(images) == 1  # head and workers run the same image
+
+
+def containers(doc):
+    cluster = doc["spec"]["rayClusterConfig"]
+    yield from cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    for group in cluster["workerGroupSpecs"]:
+        yield from group["template"]["spec"]["containers"]
+
