@@ -47,7 +47,11 @@ def deployment_options(options: DeploymentConfig) -> dict:
     actor = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus}
     if options.torch_threads is not None:
         actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(options.torch_threads)}}
-    result = {"max_ongoing_requests": options.max_ongoing_requests, "ray_actor_options": actor}
+    result = {
+        "max_ongoing_requests": options.max_ongoing_requests,
+        "max_queued_requests": options.max_queued_requests,
+        "ray_actor_options": actor,
+    }
     if options.autoscaling is not None:
         result["autoscaling_config"] = options.autoscaling.model_dump()
     else:

@@ -1,17 +1,18 @@
 """Awaiting a request's stage chains: only their last responses, and cancelling every call if one fails.
 
-Its own module, not the coordinator's: Serve pickles the ingress class by value, and a helper defined beside it
-does not come along (the replica raised NameError); an imported one is pickled by reference.
+Its own module, imported by the coordinator: Serve pickles the ingress class when ``@serve.ingress`` runs, before
+anything below the class in its module is defined (a helper there raised NameError in the replica).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentResponse
 
-from omni_ray.errors import EngineError, OmniRayError
+from omni_ray.errors import EngineError, OmniRayError, OverloadedError
 from omni_ray.stages.decode import Decoded
 from omni_ray.stages.denoise import Latents
 
@@ -26,7 +27,13 @@ async def gather_or_cancel(chains: list[list[DeploymentResponse]]) -> list[Decod
             cause = err.cause
             if isinstance(cause, OmniRayError):
                 raise cause from None
+            if isinstance(cause, BackPressureError):
+                raise OverloadedError(f"a stage is at its queue limit: {cause}") from None
             raise EngineError(f"{type(cause).__name__}: {cause}") from None
+        except BackPressureError as err:
+            raise OverloadedError(f"a stage is at its queue limit: {err}") from None
+        except RayActorError as err:  # Serve replaces the replica; a retry will land
+            raise OverloadedError(f"a stage replica failed while running this request: {err}", 5.0) from None
         except OmniRayError:
             raise
         except Exception as err:  # a replica died, or Ray failed to deliver: the stages' fault, not the caller's
@@ -41,5 +48,13 @@ async def gather_or_cancel(chains: list[list[DeploymentResponse]]) -> list[Decod
             task.cancel()
         for chain in chains:
             for response in chain:
-                response.cancel()
+                _cancel(response)
         raise
+
+
+def _cancel(response: DeploymentResponse) -> None:
+    # Cancelling a response that already failed re-raises its error (Ray 2.60): it is done either way.
+    try:
+        response.cancel()
+    except Exception:
+        pass

@@ -7,9 +7,10 @@ only the last response. ``n`` images run as ``n`` concurrent chains, which the D
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import random
+import math
 import time
 import uuid
 
@@ -20,19 +21,24 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from deployments.chains import gather_or_cancel
 from omni_ray.config import PipelineConfig
-from omni_ray.errors import OmniRayError, RequestError
+from omni_ray.errors import (
+    DeadlineExceededError,
+    OmniRayError,
+    OverloadedError,
+    PayloadTooLargeError,
+    RequestError,
+)
 from omni_ray.protocol import (
-    MAX_SEED,
+    GenerationPlan,
     ImageGenerationRequest,
     encode_image,
     error_body,
     images_response,
-    parse_request,
-    resolve_size,
+    plan_request,
 )
 from omni_ray.stages.decode import Decoded, OutputMode
 from omni_ray.stages.denoise import DenoiseParams
-from omni_ray.stages.encode import EncodeRequest
+from omni_ray.stages.encode import EncodeRequest, PromptTokenizer
 
 logger = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 1 << 20
@@ -42,9 +48,26 @@ api = FastAPI(title="omni-ray", description="Qwen-Image behind OpenAI's images A
 
 @api.exception_handler(OmniRayError)
 async def _omni_ray_error(request: Request, err: OmniRayError) -> JSONResponse:
-    return JSONResponse(error_body(str(err), err.error_type, getattr(err, "param", None)), err.status_code)
+    headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if isinstance(err, OverloadedError) else None
+    body = error_body(str(err), err.error_type, getattr(err, "param", None))
+    return JSONResponse(body, err.status_code, headers=headers)
 
 
+async def _read_limited(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it passes ``limit`` bytes (by its declared length or while it streams in)."""
+    too_large = PayloadTooLargeError(f"request body exceeds {limit} bytes", param=None)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+# Serve pickles the class when @serve.ingress runs, before the rest of this module exists: helpers go above.
 @serve.ingress(api)
 class Coordinator:
     """Validates, fans ``n`` out, chains the stages, and turns pixels into image files."""
@@ -52,12 +75,11 @@ class Coordinator:
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
         self.encoder, self.dit, self.vae = encoder, dit, vae
         self.config = config
+        self.tokenizer = PromptTokenizer(config.model)
 
     @api.post("/v1/images/generations")
     async def generations(self, request: Request) -> JSONResponse:
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise RequestError(f"request body exceeds {MAX_BODY_BYTES} bytes", param=None)
+        body = await _read_limited(request, MAX_BODY_BYTES)
         try:
             payload = json.loads(body)
         except ValueError:
@@ -76,45 +98,48 @@ class Coordinator:
 
     async def generate(self, body: dict | ImageGenerationRequest, request_id: str | None = None) -> dict:
         """The images response for an OpenAI-style body; what HTTP and DeploymentHandle callers both get."""
-        request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
-        height, width = resolve_size(request, self.config)
-        results = await self.images(request, request_id=request_id)
+        plan = self.plan(body)
+        results = await self.run(plan, request_id)
+        request = plan.request
         files = [encode_image(result.pixels, request.output_format, request.output_compression) for result in results]
-        return images_response(files, request, height, width)
+        return images_response(files, request, plan.height, plan.width)
 
     async def images(
         self, body: dict | ImageGenerationRequest, request_id: str | None = None, output: OutputMode = "pixels"
     ) -> list[Decoded]:
         """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
-        request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
-        if request.model is not None and request.model != self.config.name:
-            raise RequestError(f"model: this app serves {self.config.name!r}, not {request.model!r}", param="model")
-        height, width = resolve_size(request, self.config)
-        steps = request.num_inference_steps or self.config.requests.default_steps
-        seed = request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n)
+        return await self.run(self.plan(body), request_id, output)
+
+    def plan(self, body: dict | ImageGenerationRequest) -> GenerationPlan:
+        """Validates before any stage sees the request."""
+        return plan_request(body, self.config, self.tokenizer.num_tokens)
+
+    async def run(self, plan: GenerationPlan, request_id: str | None, output: OutputMode = "pixels") -> list[Decoded]:
         request_id = request_id or uuid.uuid4().hex
         start = time.perf_counter()
         chains = [
             self.chain(
                 f"{request_id}-{i}",
-                request,
-                DenoiseParams(height, width, steps, seed + i, request.true_cfg_scale),
+                plan,
+                DenoiseParams(plan.height, plan.width, plan.num_inference_steps, plan.seed + i,
+                              plan.request.true_cfg_scale),
                 output,
             )
-            for i in range(request.n)
+            for i in range(plan.request.n)
         ]
-        results = await gather_or_cancel(chains)
-        logger.info("request %s: %d image(s) in %.0f ms", request_id, request.n, 1000 * (time.perf_counter() - start))
+        timeout_s = self.config.requests.timeout_s
+        try:
+            results = await asyncio.wait_for(gather_or_cancel(chains), timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"request {request_id} ran past its {timeout_s:g} s deadline") from None
+        logger.info("request %s: %d image(s) in %.0f ms", request_id, plan.request.n, 1000 * (time.perf_counter() - start))
         return results
 
     def chain(
-        self, request_id: str, request: ImageGenerationRequest, params: DenoiseParams, output: OutputMode
+        self, request_id: str, plan: GenerationPlan, params: DenoiseParams, output: OutputMode
     ) -> list[DeploymentResponse]:
         """Starts one image's three stage calls, each taking the previous one's response by reference."""
-        use_cfg = request.true_cfg_scale > 1 and request.negative_prompt is not None
-        encoded = self.encoder.encode.remote(
-            EncodeRequest(request_id, request.prompt, request.negative_prompt if use_cfg else None)
-        )
+        encoded = self.encoder.encode.remote(EncodeRequest(request_id, plan.request.prompt, plan.negative_prompt))
         latents = self.dit.denoise.remote(request_id, params, encoded)
         if output == "latents":
             return [encoded, latents]

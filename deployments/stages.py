@@ -31,6 +31,16 @@ class _EngineShim:
         """Serve restarts the replica when this raises: the engine loop died or one step hangs."""
         self.engine.check_health()
 
+    def stats(self) -> dict:
+        """Counters of the engine: requests it took, aborted, still running; steps it ran."""
+        engine = self.engine
+        return {
+            "requests": engine.num_requests,
+            "aborted": engine.num_aborted,
+            "running": engine.num_running,
+            "steps": engine.num_steps,
+        }
+
     def __del__(self) -> None:
         # Serve calls this on graceful shutdown; it stops the loop and shuts the core down (vLLM's included, which
         # otherwise leaves a /tmp/vllm_dist_* file behind per replica).
@@ -65,9 +75,9 @@ class DiT(_EngineShim):
         logger.info("request %s denoised (%d steps)", request_id, params.num_inference_steps)
         return latents
 
-    def batch_sizes(self) -> dict[int, int]:
-        """Steps run so far, by how many requests each advanced: shows the step-level batching at work."""
-        return dict(self.engine.core.scheduler.batch_sizes)
+    def stats(self) -> dict:
+        """The engine's counters, and its steps by how many requests each advanced (the step-level batching)."""
+        return {**super().stats(), "batch_sizes": dict(self.engine.core.scheduler.batch_sizes)}
 
 
 class VAE(_EngineShim):

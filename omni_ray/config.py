@@ -55,6 +55,9 @@ class DeploymentConfig(_Frozen):
     max_ongoing_requests: PositiveInt = Field(
         8, description="Requests Serve sends to one replica at once; at least the engine's batch limit."
     )
+    max_queued_requests: PositiveInt = Field(
+        256, description="Requests that may wait for a replica; past it callers get a 503 with Retry-After."
+    )
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs each replica reserves.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (1 for a GPU stage).")
     torch_threads: PositiveInt | None = Field(
@@ -120,6 +123,10 @@ class RequestLimits(_Frozen):
     max_side: PositiveInt = Field(2048, description="Largest image side a request may ask for, in pixels.")
     size_multiple: PositiveInt = Field(
         16, description="Image sides must be multiples of this: the VAE's 8x compression times the 2x2 packing."
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of one request, all images and stages included; past it the work is "
+        "aborted in every stage and the caller gets a 504."
     )
 
     @model_validator(mode="after")

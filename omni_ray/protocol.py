@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import base64
 import io
+import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -63,6 +66,54 @@ def parse_request(body: object) -> ImageGenerationRequest:
         param = ".".join(str(part) for part in first["loc"]) or None
         message = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
         raise RequestError(f"{param}: {message}" if param else message, param=param) from None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationPlan:
+    """A validated request with the preset's defaults filled in: what the coordinator runs."""
+
+    request: ImageGenerationRequest
+    height: int
+    width: int
+    num_inference_steps: int
+    seed: int  # image i uses seed + i
+
+    @property
+    def negative_prompt(self) -> str | None:
+        """The negative prompt when true CFG runs, else None (diffusers ignores it then too)."""
+        use_cfg = self.request.true_cfg_scale > 1 and self.request.negative_prompt is not None
+        return self.request.negative_prompt if use_cfg else None
+
+
+def plan_request(
+    body: object, config: PipelineConfig, count_tokens: Callable[[str], int] | None = None
+) -> GenerationPlan:
+    """Validates ``body`` against the API and the preset; raises RequestError naming the field.
+
+    ``count_tokens`` gives a prompt's templated length, checked against the encoder's limit.
+    """
+    request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
+    if request.model is not None and request.model != config.name:
+        raise RequestError(f"model: this app serves {config.name!r}, not {request.model!r}", param="model")
+    height, width = resolve_size(request, config)
+    if count_tokens is not None:
+        for field in ("prompt", "negative_prompt"):
+            text = getattr(request, field)
+            if text is not None and (tokens := count_tokens(text)) > config.encoder.max_model_len:
+                raise RequestError(
+                    f"{field}: {tokens} tokens with the prompt template; the limit is "
+                    f"{config.encoder.max_model_len}",
+                    param=field,
+                )
+    if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
+        raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
+    return GenerationPlan(
+        request=request,
+        height=height,
+        width=width,
+        num_inference_steps=request.num_inference_steps or config.requests.default_steps,
+        seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
+    )
 
 
 def resolve_size(request: ImageGenerationRequest, config: PipelineConfig) -> tuple[int, int]:

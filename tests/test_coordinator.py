@@ -10,7 +10,7 @@ import pytest
 
 from deployments.chains import gather_or_cancel
 from deployments.coordinator import Coordinator
-from omni_ray.protocol import parse_request
+from omni_ray.protocol import GenerationPlan, parse_request
 from omni_ray.stages.decode import Decoded
 from omni_ray.stages.denoise import DenoiseParams, Latents
 
@@ -22,7 +22,7 @@ class FakeResponse:
 
     def __await__(self):
         self.awaited = True
-        yield from asyncio.sleep(0).__await__()
+        yield from asyncio.sleep(3600 if self.result == "hang" else 0).__await__()
         if isinstance(self.result, BaseException):
             raise self.result
         return self.result
@@ -51,6 +51,10 @@ def stages(vae_result=None):
     return (FakeHandle("encode", "embeds"), FakeHandle("denoise", "latents"), FakeHandle("decode", decoded))
 
 
+def plan(**body):
+    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=0)
+
+
 def coordinator(encoder, dit, vae):
     fake = type("Self", (), {})()
     fake.encoder, fake.dit, fake.vae = encoder, dit, vae
@@ -59,7 +63,7 @@ def coordinator(encoder, dit, vae):
 
 def test_each_stage_receives_the_previous_response_itself():
     encoder, dit, vae = stages()
-    request = parse_request({"prompt": "a cat", "negative_prompt": "blurry", "true_cfg_scale": 4})
+    request = plan(negative_prompt="blurry", true_cfg_scale=4)
     chain = Coordinator.chain(coordinator(encoder, dit, vae), "r-0", request, DenoiseParams(64, 64, 2, 0, 4.0), "pixels")
     (encode_args, encoded), = encoder.encode.calls
     (denoise_args, denoised), = dit.denoise.calls
@@ -73,7 +77,7 @@ def test_each_stage_receives_the_previous_response_itself():
 
 def test_only_the_last_response_is_awaited():
     encoder, dit, vae = stages()
-    request = parse_request({"prompt": "a cat", "n": 3})
+    request = plan(n=3)
     chains = [
         Coordinator.chain(coordinator(encoder, dit, vae), f"r-{i}", request, DenoiseParams(64, 64, 2, i), "pixels")
         for i in range(3)
@@ -87,7 +91,7 @@ def test_latents_mode_skips_the_vae():
     encoder, dit, vae = stages()
     latents = Latents(latents=None, height=64, width=64)
     dit.denoise.result = latents
-    request = parse_request({"prompt": "a cat"})
+    request = plan()
     chain = Coordinator.chain(coordinator(encoder, dit, vae), "r", request, DenoiseParams(64, 64, 2, 0), "latents")
     assert vae.decode.calls == [] and len(chain) == 2
     (result,) = asyncio.run(gather_or_cancel([chain]))
@@ -98,10 +102,26 @@ def test_a_failing_chain_cancels_every_stage_call():
     from omni_ray.errors import EngineError
 
     encoder, dit, vae = stages()
-    request = parse_request({"prompt": "a cat", "n": 2})
+    request = plan(n=2)
     ok = Coordinator.chain(coordinator(encoder, dit, vae), "ok", request, DenoiseParams(64, 64, 2, 0), "pixels")
     vae.decode.result = EngineError("out of memory", "vae")
     bad = Coordinator.chain(coordinator(encoder, dit, vae), "bad", request, DenoiseParams(64, 64, 2, 1), "pixels")
     with pytest.raises(EngineError, match="vae: out of memory"):
         asyncio.run(gather_or_cancel([ok, bad]))
     assert all(response.cancelled for response in ok + bad)
+
+
+def test_the_deadline_aborts_every_stage_call():
+    from types import SimpleNamespace
+
+    from omni_ray.errors import DeadlineExceededError
+
+    encoder, dit, vae = stages()
+    vae.decode.result = "hang"
+    fake = coordinator(encoder, dit, vae)
+    fake.config = SimpleNamespace(requests=SimpleNamespace(timeout_s=0.2))
+    fake.chain = lambda *args: Coordinator.chain(fake, *args)
+    with pytest.raises(DeadlineExceededError, match="0.2 s deadline"):
+        asyncio.run(Coordinator.run(fake, plan(n=2), "slow"))
+    responses = [response for method in (encoder.encode, dit.denoise, vae.decode) for _, response in method.calls]
+    assert len(responses) == 6 and all(response.cancelled for response in responses)

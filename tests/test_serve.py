@@ -5,6 +5,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -18,7 +19,7 @@ from deployments.local import LocalServe
 
 pytestmark = pytest.mark.serve
 def post(url: str, body, timeout: float = 300) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()  # json writes NaN as NaN, as some do
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -128,7 +129,7 @@ def test_sixteen_concurrent_requests_complete_and_batch_in_the_dit(served):
     assert all(png(r["data"][0]["b64_json"]).shape == (64, 64, 3) for _, r in results)
     try:
         ray.init(address=served["address"], log_to_driver=False)
-        sizes = serve.get_deployment_handle("DiT", "omni-ray").batch_sizes.remote().result()
+        sizes = serve.get_deployment_handle("DiT", "omni-ray").stats.remote().result()["batch_sizes"]
     finally:
         ray.shutdown()
     assert max(sizes) > 1, sizes  # steps that advanced several requests at once
@@ -140,3 +141,195 @@ def test_invalid_request_is_a_400_naming_the_field(served):
     assert response["error"]["param"] == "size" and response["error"]["type"] == "invalid_request_error"
     status, response = post(served["base"] + "/v1/images/generations", b"not json")
     assert status == 400 and "JSON" in response["error"]["message"]
+
+
+# --- reliability: bad input, cancellation, load, faults ---------------------------------------------------------
+
+LONG_PROMPT = "word " * 1200  # over the encoder's 1058-token limit once templated
+
+BAD_REQUESTS = [
+    # (body, status, param)
+    ({}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "   "}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": None}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": LONG_PROMPT}, 400, "prompt"),
+    ({"prompt": "a cat", "negative_prompt": LONG_PROMPT, "true_cfg_scale": 4.0}, 400, "negative_prompt"),
+    ({"prompt": "a cat", "negative_prompt": 3}, 400, "negative_prompt"),
+    ({"prompt": "a cat", "size": "64"}, 400, "size"),
+    ({"prompt": "a cat", "size": "axb"}, 400, "size"),
+    ({"prompt": "a cat", "size": "64x60"}, 400, "size"),
+    ({"prompt": "a cat", "size": "16x16"}, 400, "size"),
+    ({"prompt": "a cat", "size": "1024x1024"}, 400, "size"),
+    ({"prompt": "a cat", "size": 64}, 400, "size"),
+    ({"prompt": "a cat", "n": 0}, 400, "n"),
+    ({"prompt": "a cat", "n": 11}, 400, "n"),
+    ({"prompt": "a cat", "n": "2"}, 400, "n"),
+    ({"prompt": "a cat", "n": 2.5}, 400, "n"),
+    ({"prompt": "a cat", "num_inference_steps": 0}, 400, "num_inference_steps"),
+    ({"prompt": "a cat", "num_inference_steps": 201}, 400, "num_inference_steps"),
+    ({"prompt": "a cat", "num_inference_steps": True}, 400, "num_inference_steps"),
+    ({"prompt": "a cat", "true_cfg_scale": 0.5}, 400, "true_cfg_scale"),
+    ({"prompt": "a cat", "true_cfg_scale": 100}, 400, "true_cfg_scale"),
+    ({"prompt": "a cat", "true_cfg_scale": "high"}, 400, "true_cfg_scale"),
+    ({"prompt": "a cat", "true_cfg_scale": float("nan")}, 400, "true_cfg_scale"),
+    ({"prompt": "a cat", "response_format": "url"}, 400, "response_format"),
+    ({"prompt": "a cat", "output_format": "gif"}, 400, "output_format"),
+    ({"prompt": "a cat", "output_compression": 101}, 400, "output_compression"),
+    ({"prompt": "a cat", "seed": -1}, 400, "seed"),
+    ({"prompt": "a cat", "seed": "7"}, 400, "seed"),
+    ({"prompt": "a cat", "model": "dall-e-3"}, 400, "model"),
+    ({"prompt": "a cat", "colour": "red"}, 400, "colour"),
+    ([{"prompt": "a cat"}], 400, None),
+    (b"not json", 400, None),
+    (b'{"prompt": "a cat", ', 400, None),
+    (b'{"prompt": "' + b"x" * (2 << 20) + b'"}', 413, None),
+]
+
+
+def stage_stats(served) -> dict:
+    import ray
+    from ray import serve
+
+    try:
+        ray.init(address=served["address"], log_to_driver=False)
+        return {name: serve.get_deployment_handle(name, "omni-ray").stats.remote().result()
+                for name in ("Encoder", "DiT", "VAE")}
+    finally:
+        ray.shutdown()
+
+
+def test_bad_requests_get_a_4xx_naming_the_field_and_never_reach_a_stage(served):
+    assert len(BAD_REQUESTS) >= 25
+    before = stage_stats(served)
+    for body, status, param in BAD_REQUESTS:
+        got, response = post(served["base"] + "/v1/images/generations", body)
+        assert (got, response["error"]["param"]) == (status, param), (str(body)[:80], response)
+        assert response["error"]["message"] and response["error"]["type"] == "invalid_request_error"
+    after = stage_stats(served)
+    assert {k: v["requests"] for k, v in after.items()} == {k: v["requests"] for k, v in before.items()}
+
+
+def disconnect_after(served, body, seconds) -> None:
+    """Sends ``body`` and hangs up after ``seconds`` without reading the answer (a client that went away)."""
+    import http.client
+    import socket
+
+    host, port = served["base"].removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=seconds)
+    try:
+        connection.request("POST", "/v1/images/generations", json.dumps(body), {"Content-Type": "application/json"})
+        with pytest.raises((socket.timeout, TimeoutError)):
+            connection.getresponse()
+    finally:
+        connection.close()
+
+
+def test_a_client_that_disconnects_aborts_its_request_and_others_are_unchanged(served, reference):
+    long = {"prompt": "a very long request", "size": "64x64", "seed": 1, "num_inference_steps": 200}
+    others = [{"prompt": f"a red cat, take {i}", "size": "64x64", "seed": 20 + i, "num_inference_steps": 6}
+              for i in range(2)]
+    before = stage_stats(served)["DiT"]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        cancelled = pool.submit(disconnect_after, served, long, 1.5)
+        results = list(pool.map(lambda b: post(served["base"] + "/v1/images/generations", b), others))
+        cancelled.result()
+    deadline = time.monotonic() + 10
+    while (dit := stage_stats(served)["DiT"])["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert dit["running"] == 0 and dit["aborted"] == before["aborted"] + 1
+    # The 200-step request stopped early: the DiT ran far fewer steps than it alone would have needed.
+    assert dit["steps"] - before["steps"] < 150
+    for body, (status, response) in zip(others, results):
+        assert status == 200
+        pixels = png(response["data"][0]["b64_json"])
+        assert within_one_level(pixels, expected(reference, body["prompt"], body["seed"], 64, 64, 6))
+
+
+def test_bounded_load_with_invalid_and_cancelled_requests(served, reference):
+    """300 requests, 16 at a time: 20% invalid, 10% cancelled mid-flight, the rest must all come back right."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    def store_bytes() -> int:
+        return get_memory_info_reply(get_state_from_address(served["address"])).store_stats.object_store_bytes_used
+
+    baseline = store_bytes()
+    timeout_s = 120.0  # the tiny preset's requests.timeout_s
+    invalid = [b for b in BAD_REQUESTS if isinstance(b[0], dict)]
+
+    def one(i):
+        start = time.monotonic()
+        if i % 5 == 0:
+            body, status, param = invalid[i // 5 % len(invalid)]
+            got, response = post(served["base"] + "/v1/images/generations", body)
+            return "invalid", (got, response["error"]["param"]) == (status, param), time.monotonic() - start
+        body = {"prompt": f"a mountain lake, variation {i % 7}", "size": "64x64", "seed": i, "num_inference_steps": 3}
+        if i % 10 == 3:
+            disconnect_after(served, {**body, "num_inference_steps": 100}, 0.3)
+            return "cancelled", True, time.monotonic() - start
+        got, response = post(served["base"] + "/v1/images/generations", body, timeout=timeout_s + 30)
+        return ("ok", (got, body, response), time.monotonic() - start)
+
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(one, range(300)))
+    elapsed = time.monotonic() - start
+    latencies = sorted(seconds for kind, _, seconds in outcomes if kind == "ok")
+    print(f"\nload: 300 requests in {elapsed:.1f} s; valid ones p50 {latencies[104]:.2f} s, "
+          f"p95 {latencies[199]:.2f} s, max {latencies[-1]:.2f} s")
+    kinds = [kind for kind, _, _ in outcomes]
+    assert kinds.count("invalid") == 60 and kinds.count("cancelled") == 30 and kinds.count("ok") == 210
+    assert all(ok for kind, ok, _ in outcomes if kind == "invalid")
+    assert max(seconds for _, _, seconds in outcomes) < timeout_s
+    served_ok = [value for kind, value, _ in outcomes if kind == "ok"]
+    assert [status for status, _, _ in served_ok] == [200] * 210
+    for status, body, response in served_ok[::30]:  # a sample, pixel-checked against diffusers
+        pixels = png(response["data"][0]["b64_json"])
+        assert within_one_level(pixels, expected(reference, body["prompt"], body["seed"], 64, 64, 3))
+    deadline = time.monotonic() + 30
+    while (used := store_bytes()) > baseline and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert used <= baseline
+    stats = stage_stats(served)
+    assert all(s["running"] == 0 for s in stats.values()), stats
+    ray.shutdown()
+
+
+def test_a_dit_replica_killed_mid_request_gives_a_clear_error_and_serve_recovers(served):
+    """Last in this module: it kills the DiT replica."""
+    import ray
+
+    from ray import serve
+
+    long = {"prompt": "a request whose DiT dies", "size": "256x256", "seed": 5, "num_inference_steps": 200,
+            "negative_prompt": "blurry"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            ray.init(address=served["address"], log_to_driver=False, namespace="serve")
+            dit = serve.get_deployment_handle("DiT", "omni-ray")
+            pending = pool.submit(post, served["base"] + "/v1/images/generations", long)
+            deadline = time.monotonic() + 60
+            while dit.stats.remote().result()["steps"] < 3 or not dit.stats.remote().result()["running"]:
+                assert time.monotonic() < deadline and not pending.done()
+                time.sleep(0.1)
+            (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["name"].startswith("SERVE_REPLICA::omni-ray#DiT#")]
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        finally:
+            ray.shutdown()
+        status, response = pending.result(timeout=120)
+    assert status in (500, 503), response
+    assert "replica" in response["error"]["message"] or "died" in response["error"]["message"]
+
+    deadline = time.monotonic() + 180
+    while True:
+        status, response = post(served["base"] + "/v1/images/generations",
+                                {"prompt": "after the fault", "size": "64x64", "seed": 1, "num_inference_steps": 2})
+        if status == 200:
+            break
+        assert time.monotonic() < deadline, response
+        time.sleep(2)
+    assert png(response["data"][0]["b64_json"]).shape == (64, 64, 3)

@@ -51,6 +51,8 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
         self.num_steps = 0
+        self.num_requests = 0  # added to the core
+        self.num_aborted = 0  # aborted by their callers (cancelled) before they finished
 
     def start(self) -> AsyncEngine:
         """Starts the thread, which builds the core; returns once it is built (or raises what building raised)."""
@@ -75,6 +77,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    @property
+    def num_running(self) -> int:
+        """Requests added and not yet finished or aborted."""
+        return len(self._callers)
 
     def check_health(self) -> None:
         """Raises if the loop thread died or one step has run longer than ``stall_timeout_s``."""
@@ -132,6 +139,7 @@ class AsyncEngine:
                 self._add(request, caller)
             elif kind == "abort" and self._callers.pop(payload, None) is not None:
                 self.core.abort_requests([payload])
+                self.num_aborted += 1
             command = self._next_command()
 
     def _next_command(self) -> tuple[str, Any] | None:
@@ -152,6 +160,7 @@ class AsyncEngine:
             _resolve(caller, err if isinstance(err, EngineError) else EngineError(str(err), self.name))
             return
         self._callers[request.request_id] = caller
+        self.num_requests += 1
 
     def _fail_all(self, err: Exception) -> list[EngineCoreOutput]:
         request_ids = list(self._callers)

@@ -61,6 +61,10 @@ class PromptTokenizer:
         self.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
         self.pad_token_id = self.tokenizer.pad_token_id
 
+    def num_tokens(self, prompt: str) -> int:
+        """Tokens of the templated prompt, untruncated."""
+        return len(self.tokenizer(PROMPT_TEMPLATE.format(prompt)).input_ids)
+
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of the templated prompt, truncated as diffusers truncates."""
         return self.tokenizer(
