@@ -125,3 +125,21 @@ def test_the_deadline_aborts_every_stage_call():
         asyncio.run(Coordinator.run(fake, plan(n=2), "slow"))
     responses = [response for method in (encoder.encode, dit.denoise, vae.decode) for _, response in method.calls]
     assert len(responses) == 6 and all(response.cancelled for response in responses)
+
+
+def test_a_full_stage_queue_is_a_503_with_retry_after():
+    import json
+
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.coordinator import _omni_ray_error
+    from omni_ray.errors import OverloadedError
+
+    encoder, dit, vae = stages()
+    vae.decode.result = BackPressureError(num_queued_requests=8, max_queued_requests=8)
+    chain = Coordinator.chain(coordinator(encoder, dit, vae), "busy", plan(), DenoiseParams(64, 64, 2, 0), "pixels")
+    with pytest.raises(OverloadedError) as info:
+        asyncio.run(gather_or_cancel([chain]))
+    response = asyncio.run(_omni_ray_error(None, info.value))
+    assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
+    assert json.loads(response.body)["error"]["type"] == "overloaded_error"

@@ -188,3 +188,42 @@ def test_duplicate_ids_and_dead_loops_are_engine_errors(runner, requests):
     engine.shutdown()
     with pytest.raises(EngineError, match="dead"):
         engine.check_health()
+
+
+def test_a_stuck_step_fails_the_health_check():
+    import threading
+
+    release = threading.Event()
+
+    class StuckCore:
+        def __init__(self):
+            self.pending = []
+
+        def add_request(self, request):
+            self.pending.append(request)
+
+        def abort_requests(self, request_ids):
+            self.pending = []
+
+        def has_unfinished_requests(self):
+            return bool(self.pending)
+
+        def step(self):
+            release.wait(10)
+            return []
+
+        def shutdown(self):
+            pass
+
+    engine = AsyncEngine(StuckCore, "dit", stall_timeout_s=0.2).start()
+
+    async def main():
+        task = asyncio.create_task(engine.generate(DenoiseRequest("stuck", DenoiseParams(64, 64, 1, 0), None)))
+        await asyncio.sleep(0.5)
+        with pytest.raises(EngineError, match="one step has run for over"):
+            engine.check_health()
+        release.set()
+        task.cancel()
+
+    asyncio.run(main())
+    engine.shutdown()
