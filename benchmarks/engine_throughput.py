@@ -25,6 +25,7 @@ import platform
 import subprocess
 import sys
 import time
+import uuid
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -106,8 +107,8 @@ def worker(size: str, batches: list[int], steps: int, repeats: int) -> dict:
         def timed_ours_dit():
             embeds = encoder.encode([prompt for prompt, _ in batch])
             start = time.perf_counter()
-            for i, ((_, seed), prompt) in enumerate(zip(batch, embeds)):
-                dit.add_request(DenoiseRequest(f"{time.perf_counter_ns()}-{i}", params(seed), prompt, negative_embeds))
+            for (_, seed), prompt in zip(batch, embeds):
+                dit.add_request(DenoiseRequest(uuid.uuid4().hex, params(seed), prompt, negative_embeds))
             while dit.has_unfinished_requests():
                 dit.step()
             return time.perf_counter() - start
@@ -136,16 +137,15 @@ def worker(size: str, batches: list[int], steps: int, repeats: int) -> dict:
     # The end-to-end engines last: starting vLLM binds this process's threads.
     pipeline = EnginePipeline.from_config(config)
 
-    async def serve(batch, tag):
+    async def serve(batch):
         return await asyncio.gather(
-            *(pipeline.generate(f"{tag}-{i}", prompt, params(seed), negative) for i, (prompt, seed) in enumerate(batch))
+            *(pipeline.generate(uuid.uuid4().hex, prompt, params(seed), negative) for prompt, seed in batch)
         )
 
-    asyncio.run(serve(requests_for(2), "warm"))
+    asyncio.run(serve(requests_for(2)))  # warm-up
     for entry in results["batches"]:
         batch = requests_for(entry["batch"])
-        runs = iter(range(1000))
-        entry["e2e_ours_s"] = best_time(lambda: asyncio.run(serve(batch, f"b{entry['batch']}-{next(runs)}")), repeats)
+        entry["e2e_ours_s"] = best_time(lambda: asyncio.run(serve(batch)), repeats)
         print(f"[{size}] b={entry['batch']}: end to end ours {entry['batch'] / entry['e2e_ours_s']:.2f} img/s, "
               f"diffusers {entry['batch'] / entry['e2e_diffusers_s']:.2f}", flush=True)
     pipeline.shutdown()

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
+from deployments import metrics
 from deployments.chains import gather_or_cancel
 from omni_ray.config import PipelineConfig
 from omni_ray.errors import (
@@ -98,8 +99,7 @@ class Coordinator:
 
     async def generate(self, body: dict | ImageGenerationRequest, request_id: str | None = None) -> dict:
         """The images response for an OpenAI-style body; what HTTP and DeploymentHandle callers both get."""
-        plan = self.plan(body)
-        results = await self.run(plan, request_id)
+        plan, results = await self._serve(body, request_id, "pixels")
         request = plan.request
         files = [encode_image(result.pixels, request.output_format, request.output_compression) for result in results]
         return images_response(files, request, plan.height, plan.width)
@@ -108,7 +108,19 @@ class Coordinator:
         self, body: dict | ImageGenerationRequest, request_id: str | None = None, output: OutputMode = "pixels"
     ) -> list[Decoded]:
         """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
-        return await self.run(self.plan(body), request_id, output)
+        return (await self._serve(body, request_id, output))[1]
+
+    async def _serve(self, body, request_id: str | None, output: OutputMode) -> tuple[GenerationPlan, list[Decoded]]:
+        start = time.perf_counter()
+        try:
+            plan = self.plan(body)
+            results = await self.run(plan, request_id, output)
+        except OmniRayError as err:
+            metrics.errors.inc(tags={"stage": "coordinator", "type": type(err).__name__})
+            raise
+        metrics.request_latency.observe(time.perf_counter() - start, tags={"stage": "coordinator"})
+        metrics.images_generated.inc(len(results), tags={"stage": "coordinator"})
+        return plan, results
 
     def plan(self, body: dict | ImageGenerationRequest) -> GenerationPlan:
         """Validates before any stage sees the request."""

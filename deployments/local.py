@@ -3,7 +3,7 @@
     with LocalServe("config.yaml", model="/tmp/tiny") as served:
         ...  # served.base_url, served.address
 
-The head runs without the dashboard (it costs about 1.4 GB) and with more logical CPUs than cores, so the CPU
+Metrics are exported for Prometheus at ``served.metrics_url``. The head runs without the dashboard (it costs about 1.4 GB) and with more logical CPUs than cores, so the CPU
 presets' fractional replicas always fit.
 """
 
@@ -36,15 +36,18 @@ class LocalServe:
     def __init__(self, config: str | pathlib.Path, model: str | None = None, num_cpus: int = 4,
                  ready_timeout_s: float = 300.0):
         self.config = yaml.safe_load(pathlib.Path(config).read_text())
-        self.port, self.gcs_port = free_port(), free_port()
+        self.port, self.gcs_port, self.metrics_port = free_port(), free_port(), free_port()
         self.config["http_options"]["port"] = self.port
         if model is not None:
             self.config["applications"][0]["args"]["model"] = model
         self.num_cpus = num_cpus
         self.ready_timeout_s = ready_timeout_s
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.address = f"127.0.0.1:{self.gcs_port}"
-        self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+        # Metrics reach the exporter every second instead of every ten, so tests see them soon.
+        self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+                        RAY_metrics_report_interval_ms="1000")
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="omni-ray-serve-"))
         self.log_path = self.workdir / "serve.log"
         self.process: subprocess.Popen | None = None
@@ -53,7 +56,7 @@ class LocalServe:
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(self.config))
         subprocess.run(
             [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
-             "--include-dashboard=false", "--disable-usage-stats"],
+             f"--metrics-export-port={self.metrics_port}", "--include-dashboard=false", "--disable-usage-stats"],
             check=True, env=self.env, capture_output=True, timeout=120,
         )
         self.process = subprocess.Popen(

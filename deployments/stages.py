@@ -7,7 +7,10 @@ hands its object from replica to replica, so these methods receive records, neve
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
 
+from deployments import metrics
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
@@ -24,8 +27,28 @@ class _EngineShim:
     stage = ""
 
     def __init__(self, build_core):
-        self.engine = AsyncEngine(build_core, self.stage).start()
+        self.tags = {"stage": self.stage}
+        self.engine = AsyncEngine(build_core, self.stage, on_step=self._record_step).start()
         logger.info("%s engine started", self.stage)
+
+    def _record_step(self, seconds: float, batch: int, held: int) -> None:
+        metrics.step_latency.observe(seconds, tags=self.tags)
+        metrics.running_batch_size.set(batch, tags=self.tags)
+        metrics.queue_length.set(held, tags=self.tags)
+
+    @contextmanager
+    def _request(self, request_id: str, what: str):
+        """Times one request in this stage, counts its failure, and logs it under its id."""
+        start = time.perf_counter()
+        try:
+            yield
+        except Exception as err:
+            metrics.errors.inc(tags={**self.tags, "type": type(err).__name__})
+            logger.warning("request %s: %s failed: %s", request_id, self.stage, err)
+            raise
+        seconds = time.perf_counter() - start
+        metrics.stage_request_latency.observe(seconds, tags=self.tags)
+        logger.info("request %s: %s in %.0f ms", request_id, what, 1000 * seconds)
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop died or one step hangs."""
@@ -58,7 +81,8 @@ class Encoder(_EngineShim):
         super().__init__(lambda: build_encoder_core(config))
 
     async def encode(self, request: EncodeRequest) -> EncodedPrompt:
-        return await self.engine.generate(request)
+        with self._request(request.request_id, "encoded"):
+            return await self.engine.generate(request)
 
 
 class DiT(_EngineShim):
@@ -71,9 +95,8 @@ class DiT(_EngineShim):
 
     async def denoise(self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt) -> Latents:
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative)
-        latents = await self.engine.generate(request)
-        logger.info("request %s denoised (%d steps)", request_id, params.num_inference_steps)
-        return latents
+        with self._request(request_id, f"denoised ({params.num_inference_steps} steps)"):
+            return await self.engine.generate(request)
 
     def stats(self) -> dict:
         """The engine's counters, and its steps by how many requests each advanced (the step-level batching)."""
@@ -89,4 +112,5 @@ class VAE(_EngineShim):
         super().__init__(lambda: build_vae_core(config))
 
     async def decode(self, request_id: str, latents: Latents, output: OutputMode = "pixels") -> Decoded:
-        return await self.engine.generate(DecodeRequest(request_id, latents, output))
+        with self._request(request_id, "decoded"):
+            return await self.engine.generate(DecodeRequest(request_id, latents, output))

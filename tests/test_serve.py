@@ -38,7 +38,7 @@ def png(b64: str) -> np.ndarray:
 def served(tiny_dir):
     """`serve run` on the repository's config.yaml (a free port, the test checkpoint) on a fresh local cluster."""
     with LocalServe(REPO / "config.yaml", model=str(tiny_dir)) as local:
-        yield {"base": local.base_url, "address": local.address}
+        yield {"base": local.base_url, "address": local.address, "metrics": local.metrics_url}
 
 
 @pytest.fixture(scope="module")
@@ -300,6 +300,80 @@ def test_bounded_load_with_invalid_and_cancelled_requests(served, reference):
     stats = stage_stats(served)
     assert all(s["running"] == 0 for s in stats.values()), stats
     ray.shutdown()
+
+
+# --- observability: metrics and request ids ---------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """Prometheus text as {(metric name, labels text): value}."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name, _, labels = name_labels.partition("{")
+        samples[(name, labels)] = float(value)
+    return samples
+
+
+def total(samples, name: str, **labels) -> float:
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(v for (n, l), v in samples.items() if n == name and all(w in l for w in wanted))
+
+
+def test_prometheus_metrics_per_stage(served):
+    def settled(check, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not check(samples := scrape(served["metrics"])):
+            assert time.monotonic() < deadline, sorted({n for n, _ in samples if "omni" in n})
+            time.sleep(1)
+        return samples
+
+    before = scrape(served["metrics"])
+    bodies = [{"prompt": "a red cat", "size": "64x64", "seed": 1, "num_inference_steps": 3, "n": 2},
+              {"prompt": "a cup", "size": "64x64", "seed": 2, "num_inference_steps": 3},
+              {"prompt": "a bowl", "size": "64x64", "seed": 3, "num_inference_steps": 3, "negative_prompt": "dark"}]
+    for body in bodies:
+        assert post(served["base"] + "/v1/images/generations", body)[0] == 200
+    assert post(served["base"] + "/v1/images/generations", {"prompt": "a cat", "n": 0})[0] == 400
+
+    def delta(samples, name, **labels):
+        return total(samples, name, **labels) - total(before, name, **labels)
+
+    samples = settled(lambda s: delta(s, "ray_omni_images_generated_total") >= 4
+                      and delta(s, "ray_omni_errors_total", type="RequestError") >= 1
+                      and delta(s, "ray_omni_stage_request_latency_seconds_count", stage="vae") >= 4)
+    assert delta(samples, "ray_omni_images_generated_total", stage="coordinator") == 4
+    assert delta(samples, "ray_omni_request_latency_seconds_count", stage="coordinator") == 3
+    assert delta(samples, "ray_omni_errors_total", stage="coordinator", type="RequestError") == 1
+    for stage in ("encoder", "dit", "vae"):
+        assert delta(samples, "ray_omni_stage_request_latency_seconds_count", stage=stage) == 4, stage
+        assert delta(samples, "ray_omni_step_latency_seconds_count", stage=stage) >= 1, stage
+        assert ("ray_omni_queue_length" in {n for n, _ in samples}), stage
+    # The DiT ran 3 steps per request: at least 3 steps, and the batch gauge is within the preset's limit.
+    assert delta(samples, "ray_omni_step_latency_seconds_count", stage="dit") >= 3
+    assert 1 <= total(samples, "ray_omni_running_batch_size", stage="dit") <= 8
+
+
+def test_a_request_id_flows_through_every_stage_and_back(served):
+    import glob
+    import uuid
+
+    request_id = f"trace-{uuid.uuid4().hex[:12]}"
+    body = json.dumps({"prompt": "a red cat", "size": "64x64", "seed": 1, "num_inference_steps": 2}).encode()
+    request = urllib.request.Request(served["base"] + "/v1/images/generations", body,
+                                     {"Content-Type": "application/json", "x-request-id": request_id})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["x-request-id"] == request_id
+    logs = "/tmp/ray/session_latest/logs/serve"
+    for stage in ("Coordinator", "Encoder", "DiT", "VAE"):
+        deadline = time.monotonic() + 20
+        while not any(request_id in open(path).read() for path in glob.glob(f"{logs}/replica_omni-ray_{stage}_*.log")):
+            assert time.monotonic() < deadline, f"{request_id} not in the {stage} replica's log"
+            time.sleep(0.5)
 
 
 def test_a_dit_replica_killed_mid_request_gives_a_clear_error_and_serve_recovers(served):

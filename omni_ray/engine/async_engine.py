@@ -26,6 +26,7 @@ from omni_ray.errors import EngineError
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
+StepCallback = Callable[[float, int, int], None]  # (seconds, requests the step touched, requests still held)
 
 
 @dataclass(slots=True)
@@ -38,8 +39,15 @@ class _Caller:
 class AsyncEngine:
     """One engine core, one thread, many concurrent callers."""
 
-    def __init__(self, build_core: Callable[[], Any], name: str, stall_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        build_core: Callable[[], Any],
+        name: str,
+        stall_timeout_s: float = 300.0,
+        on_step: StepCallback | None = None,
+    ):
         self.build_core = build_core
+        self.on_step = on_step  # called on the engine thread after every step, for metrics
         self.core: Any = None
         self.name = name
         self.stall_timeout_s = stall_timeout_s
@@ -118,7 +126,7 @@ class AsyncEngine:
             self._apply_commands(block=not self.core.has_unfinished_requests())
             if self._stopping:
                 break
-            self._busy_since = time.monotonic()
+            started = self._busy_since = time.monotonic()
             try:
                 outputs = self.core.step()
             except Exception as err:  # the step failed as a whole: fail its requests, keep the loop
@@ -129,6 +137,8 @@ class AsyncEngine:
             self.num_steps += 1
             for output in outputs:
                 self._deliver(output)
+            if self.on_step is not None and outputs:
+                self.on_step(time.monotonic() - started, len(outputs), len(self._callers))
 
     def _apply_commands(self, block: bool) -> None:
         command = self._commands.get() if block else self._next_command()

@@ -16,8 +16,6 @@ from omni_ray.stages.encode import (
     to_prompt_embeds,
 )
 
-_PARTS = ("prompt", "negative")
-
 
 class EncoderEngineCore:
     def __init__(self, tokenizer: PromptTokenizer, encoder: VllmTextEncoder, max_sequence_length: int = 512):
@@ -36,9 +34,13 @@ class EncoderEngineCore:
             self.encoder.add(f"{request.request_id}/{part}", ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        parts = [f"{rid}/{part}" for rid in request_ids if self.pending.pop(rid, None) is not None for part in _PARTS]
-        if parts:
-            self.encoder.abort(parts)
+        sequences = []
+        for request_id in request_ids:
+            parts = self.pending.pop(request_id, None)
+            if parts is not None:
+                sequences += [f"{request_id}/{part}" for part in parts]
+        if sequences:
+            self.encoder.abort(sequences)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)

@@ -149,6 +149,8 @@ class VllmTextEncoder:
         kv_cache_memory_bytes: int = 256 << 20,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Left on, vLLM replaces the process's logging set-up on import, and a Serve replica loses its log file.
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from vllm.config import PoolerConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.pooling_params import PoolingParams

@@ -1,0 +1,38 @@
+"""omni-ray's Prometheus metrics, through Ray Serve's metrics API (Ray exports them with its `ray_` prefix).
+
+Every stage metric carries a `stage` label (encoder, dit, vae, coordinator); Serve adds the deployment, replica and
+application labels.
+"""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+
+LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
+
+queue_length = metrics.Gauge(
+    "omni_queue_length", description="Requests a stage engine holds (waiting or running) after its last step.",
+    tag_keys=("stage",),
+)
+running_batch_size = metrics.Gauge(
+    "omni_running_batch_size", description="Requests the stage engine's last step advanced or finished.",
+    tag_keys=("stage",),
+)
+step_latency = metrics.Histogram(
+    "omni_step_latency_seconds", description="Duration of one engine step.", boundaries=LATENCY_BOUNDARIES,
+    tag_keys=("stage",),
+)
+stage_request_latency = metrics.Histogram(
+    "omni_stage_request_latency_seconds", description="Time a request spends in one stage, queueing included.",
+    boundaries=LATENCY_BOUNDARIES, tag_keys=("stage",),
+)
+request_latency = metrics.Histogram(
+    "omni_request_latency_seconds", description="End-to-end latency of an images request at the coordinator.",
+    boundaries=LATENCY_BOUNDARIES, tag_keys=("stage",),
+)
+images_generated = metrics.Counter(
+    "omni_images_generated_total", description="Images returned to callers.", tag_keys=("stage",),
+)
+errors = metrics.Counter(
+    "omni_errors_total", description="Failed requests, by stage and error type.", tag_keys=("stage", "type"),
+)
