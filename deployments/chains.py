@@ -1,4 +1,5 @@
-"""Awaiting a request's stage chains: only their last responses, and cancelling every call if one fails.
+"""Awaiting a request's stage chains (only their last responses; one failure cancels every call) and turning
+a failed stage call into the error the caller should see.
 
 Its own module, imported by the coordinator: Serve pickles the ingress class when ``@serve.ingress`` runs, before
 anything below the class in its module is defined (a helper there raised NameError in the replica).
@@ -23,22 +24,11 @@ async def gather_or_cancel(chains: list[list[DeploymentResponse]]) -> list[Decod
     async def last(chain: list[DeploymentResponse]) -> Decoded:
         try:
             result = await chain[-1]
-        except RayTaskError as err:  # a stage raised: pass its own error on, without Ray's traceback text
-            cause = err.cause
-            if isinstance(cause, OmniRayError):
-                raise cause from None
-            if isinstance(cause, BackPressureError):
-                raise OverloadedError(f"a stage is at its queue limit: {cause}") from None
-            raise EngineError(f"{type(cause).__name__}: {cause}") from None
-        except BackPressureError as err:
-            raise OverloadedError(f"a stage is at its queue limit: {err}") from None
-        except RayActorError as err:  # Serve replaces the replica; a retry will land
-            raise OverloadedError(f"a stage replica failed while running this request: {err}", 5.0) from None
-        except OmniRayError:
-            raise
-        except Exception as err:  # a replica died, or Ray failed to deliver: the stages' fault, not the caller's
-            raise EngineError(f"{type(err).__name__}: {err}") from err
-        return Decoded(pixels=None, latents=result) if isinstance(result, Latents) else result
+        except Exception as err:
+            raise stage_error(err) from None
+        if isinstance(result, Latents):  # latents only: the chain ended at the DiT
+            return Decoded(pixels=None, latents=result, timings=result.timings)
+        return result
 
     tasks = [asyncio.ensure_future(last(chain)) for chain in chains]
     try:
@@ -48,12 +38,28 @@ async def gather_or_cancel(chains: list[list[DeploymentResponse]]) -> list[Decod
             task.cancel()
         for chain in chains:
             for response in chain:
-                _cancel(response)
+                cancel(response)
         raise
 
 
-def _cancel(response: DeploymentResponse) -> None:
-    # Cancelling a response that already failed re-raises its error (Ray 2.60): it is done either way.
+def stage_error(err: Exception) -> OmniRayError:
+    """What a failed stage call means to the caller, without Ray's traceback text."""
+    if isinstance(err, RayTaskError):  # a stage raised: pass its own error on
+        err = err.cause
+    if isinstance(err, OmniRayError):
+        return err
+    if isinstance(err, BackPressureError):
+        return OverloadedError(f"a stage is at its queue limit: {err}")
+    if isinstance(err, RayActorError):  # Serve replaces the replica; a retry will land
+        return OverloadedError(f"a stage replica failed while running this request: {err}", 5.0)
+    return EngineError(f"{type(err).__name__}: {err}")  # a replica died, or Ray failed to deliver
+
+
+def cancel(response) -> None:
+    """Cancels a stage call (a response or a response stream); a no-op on finished ones.
+
+    Cancelling a response that already failed re-raises its error (Ray 2.60): it is done either way.
+    """
     try:
         response.cancel()
     except Exception:

@@ -13,14 +13,15 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from deployments import metrics
-from deployments.chains import gather_or_cancel
+from deployments.chains import cancel, gather_or_cancel, stage_error
 from omni_ray.config import PipelineConfig
 from omni_ray.errors import (
     DeadlineExceededError,
@@ -32,10 +33,12 @@ from omni_ray.errors import (
 from omni_ray.protocol import (
     GenerationPlan,
     ImageGenerationRequest,
+    completed_event,
     encode_image,
     error_body,
     images_response,
     plan_request,
+    progress_event,
 )
 from omni_ray.stages.decode import Decoded, OutputMode
 from omni_ray.stages.denoise import DenoiseParams
@@ -45,6 +48,19 @@ logger = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 1 << 20
 
 api = FastAPI(title="omni-ray", description="Qwen-Image behind OpenAI's images API.")
+
+
+COORDINATOR = {"stage": "coordinator"}
+
+
+def _count_error(err: OmniRayError) -> None:
+    metrics.errors.inc(tags={**COORDINATOR, "type": type(err).__name__})
+
+
+async def _sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Server-sent events, one ``data:`` line of JSON each."""
+    async for event in events:
+        yield f"data: {json.dumps(event)}\n\n".encode()
 
 
 @api.exception_handler(OmniRayError)
@@ -79,15 +95,19 @@ class Coordinator:
         self.tokenizer = PromptTokenizer(config.model)
 
     @api.post("/v1/images/generations")
-    async def generations(self, request: Request) -> JSONResponse:
+    async def generations(self, request: Request) -> Response:
         body = await _read_limited(request, MAX_BODY_BYTES)
         try:
             payload = json.loads(body)
         except ValueError:
             raise RequestError("request body is not valid JSON", param=None) from None
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        response = await self.generate(payload, request_id=request_id)
-        return JSONResponse(response, headers={"x-request-id": request_id})
+        plan = self.plan(payload)
+        headers = {"x-request-id": request_id}
+        if plan.request.stream:
+            events = _sse_stream(self.events(plan, request_id))
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return JSONResponse(await self.respond(plan, request_id), headers=headers)
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -98,54 +118,110 @@ class Coordinator:
         return {"status": "ok"}
 
     async def generate(self, body: dict | ImageGenerationRequest, request_id: str | None = None) -> dict:
-        """The images response for an OpenAI-style body; what HTTP and DeploymentHandle callers both get."""
-        plan, results = await self._serve(body, request_id, "pixels")
-        request = plan.request
-        files = [encode_image(result.pixels, request.output_format, request.output_compression) for result in results]
-        return images_response(files, request, plan.height, plan.width)
+        """The images response for an OpenAI-style body: what DeploymentHandle callers get (HTTP gets the same)."""
+        return await self.respond(self.plan(body), request_id)
 
     async def images(
         self, body: dict | ImageGenerationRequest, request_id: str | None = None, output: OutputMode = "pixels"
     ) -> list[Decoded]:
         """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
-        return (await self._serve(body, request_id, output))[1]
-
-    async def _serve(self, body, request_id: str | None, output: OutputMode) -> tuple[GenerationPlan, list[Decoded]]:
-        start = time.perf_counter()
-        try:
-            plan = self.plan(body)
-            results = await self.run(plan, request_id, output)
-        except OmniRayError as err:
-            metrics.errors.inc(tags={"stage": "coordinator", "type": type(err).__name__})
-            raise
-        metrics.request_latency.observe(time.perf_counter() - start, tags={"stage": "coordinator"})
-        metrics.images_generated.inc(len(results), tags={"stage": "coordinator"})
-        return plan, results
+        return await self.run(self.plan(body), request_id, output)
 
     def plan(self, body: dict | ImageGenerationRequest) -> GenerationPlan:
         """Validates before any stage sees the request."""
-        return plan_request(body, self.config, self.tokenizer.num_tokens)
+        try:
+            return plan_request(body, self.config, self.tokenizer.num_tokens)
+        except RequestError as err:
+            _count_error(err)
+            raise
+
+    async def respond(self, plan: GenerationPlan, request_id: str | None) -> dict:
+        results = await self.run(plan, request_id)
+        request = plan.request
+        files = [encode_image(result.pixels, request.output_format, request.output_compression) for result in results]
+        return images_response(files, request, plan.height, plan.width, [result.timings for result in results])
 
     async def run(self, plan: GenerationPlan, request_id: str | None, output: OutputMode = "pixels") -> list[Decoded]:
+        """Runs the ``n`` chains concurrently within the request's deadline."""
         request_id = request_id or uuid.uuid4().hex
         start = time.perf_counter()
-        chains = [
-            self.chain(
-                f"{request_id}-{i}",
-                plan,
-                DenoiseParams(plan.height, plan.width, plan.num_inference_steps, plan.seed + i,
-                              plan.request.true_cfg_scale),
-                output,
-            )
-            for i in range(plan.request.n)
-        ]
+        chains = [self.chain(f"{request_id}-{i}", plan, self.params(plan, i), output) for i in range(plan.request.n)]
         timeout_s = self.config.requests.timeout_s
         try:
             results = await asyncio.wait_for(gather_or_cancel(chains), timeout_s)
         except asyncio.TimeoutError:
-            raise DeadlineExceededError(f"request {request_id} ran past its {timeout_s:g} s deadline") from None
-        logger.info("request %s: %d image(s) in %.0f ms", request_id, plan.request.n, 1000 * (time.perf_counter() - start))
+            err = DeadlineExceededError(f"request {request_id} ran past its {timeout_s:g} s deadline")
+            _count_error(err)
+            raise err from None
+        except OmniRayError as err:
+            _count_error(err)
+            raise
+        seconds = time.perf_counter() - start
+        metrics.request_latency.observe(seconds, tags=COORDINATOR)
+        metrics.images_generated.inc(len(results), tags=COORDINATOR)
+        logger.info("request %s: %d image(s) in %.0f ms", request_id, plan.request.n, 1000 * seconds)
         return results
+
+    async def generate_stream(self, body: dict, request_id: str | None = None) -> AsyncIterator[dict]:
+        """The streamed events for DeploymentHandle callers (``handle.options(stream=True)``)."""
+        async for event in self.events(self.plan(body), request_id or uuid.uuid4().hex):
+            yield event
+
+    async def events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
+        """One progress event per denoising step of each image, then each image as it is done; an error event ends
+        the stream early.
+
+        The DiT streams its progress and, at the end, a reference to the latents, which goes on to the VAE.
+        """
+        events: asyncio.Queue[dict] = asyncio.Queue()
+        start = time.perf_counter()
+
+        async def one(index: int) -> None:
+            image_id = f"{request_id}-{index}"
+            encoded = self.encoder.encode.remote(EncodeRequest(image_id, plan.request.prompt, plan.negative_prompt))
+            steps = self.dit.options(stream=True).denoise_stream.remote(image_id, self.params(plan, index), encoded)
+            try:
+                async for event in steps:
+                    if "latents" in event:
+                        decoded = await self.vae.decode.remote(image_id, event["latents"], "pixels")
+                    else:
+                        events.put_nowait(progress_event(index, event["step"], event["total"]))
+            except BaseException:
+                cancel(encoded)
+                cancel(steps)
+                raise
+            request = plan.request
+            data = encode_image(decoded.pixels, request.output_format, request.output_compression)
+            events.put_nowait(completed_event(index, data, request, plan.height, plan.width))
+
+        tasks = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(plan.request.n))))
+        deadline = asyncio.get_running_loop().time() + self.config.requests.timeout_s
+        try:
+            while not tasks.done() or not events.empty():
+                next_event = asyncio.ensure_future(events.get())
+                remaining = deadline - asyncio.get_running_loop().time()
+                await asyncio.wait({next_event, tasks}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+                if next_event.done():
+                    yield next_event.result()
+                    continue
+                next_event.cancel()
+                if not tasks.done():
+                    raise DeadlineExceededError(f"request {request_id} ran past its deadline")
+            tasks.result()
+            metrics.request_latency.observe(time.perf_counter() - start, tags=COORDINATOR)
+            metrics.images_generated.inc(plan.request.n, tags=COORDINATOR)
+        except Exception as err:
+            err = stage_error(err)
+            _count_error(err)
+            yield {"type": "error", **error_body(str(err), err.error_type, getattr(err, "param", None))}
+        finally:
+            tasks.cancel()
+
+    def params(self, plan: GenerationPlan, index: int) -> DenoiseParams:
+        """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
+        return DenoiseParams(
+            plan.height, plan.width, plan.num_inference_steps, plan.seed + index, plan.request.true_cfg_scale
+        )
 
     def chain(
         self, request_id: str, plan: GenerationPlan, params: DenoiseParams, output: OutputMode

@@ -6,9 +6,12 @@ hands its object from replica to replica, so these methods receive records, neve
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+
+import ray
 
 from deployments import metrics
 from omni_ray.config import PipelineConfig
@@ -36,19 +39,20 @@ class _EngineShim:
         metrics.running_batch_size.set(batch, tags=self.tags)
         metrics.queue_length.set(held, tags=self.tags)
 
-    @contextmanager
-    def _request(self, request_id: str, what: str):
-        """Times one request in this stage, counts its failure, and logs it under its id."""
+    async def _run(self, request, what: str, timings: dict[str, float], on_progress=None):
+        """Runs one request in this engine: timed (into the result's ``timings``), counted, logged under its id."""
         start = time.perf_counter()
         try:
-            yield
+            result = await self.engine.generate(request, on_progress)
         except Exception as err:
             metrics.errors.inc(tags={**self.tags, "type": type(err).__name__})
-            logger.warning("request %s: %s failed: %s", request_id, self.stage, err)
+            logger.warning("request %s: %s failed: %s", request.request_id, self.stage, err)
             raise
         seconds = time.perf_counter() - start
         metrics.stage_request_latency.observe(seconds, tags=self.tags)
-        logger.info("request %s: %s in %.0f ms", request_id, what, 1000 * seconds)
+        logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
+        result.timings = {**timings, self.stage: seconds}
+        return result
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop died or one step hangs."""
@@ -81,8 +85,7 @@ class Encoder(_EngineShim):
         super().__init__(lambda: build_encoder_core(config))
 
     async def encode(self, request: EncodeRequest) -> EncodedPrompt:
-        with self._request(request.request_id, "encoded"):
-            return await self.engine.generate(request)
+        return await self._run(request, "encoded", {})
 
 
 class DiT(_EngineShim):
@@ -93,10 +96,36 @@ class DiT(_EngineShim):
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_dit_core(config))
 
-    async def denoise(self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt) -> Latents:
+    async def denoise(
+        self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt, on_progress=None
+    ) -> Latents:
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative)
-        with self._request(request_id, f"denoised ({params.num_inference_steps} steps)"):
-            return await self.engine.generate(request)
+        return await self._run(request, f"denoised ({params.num_inference_steps} steps)", encoded.timings, on_progress)
+
+    async def denoise_stream(
+        self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt
+    ) -> AsyncIterator[dict]:
+        """Streams ``{"step", "total"}`` after every denoising step, then ``{"latents": ObjectRef}``.
+
+        The latents go into this replica's object store and only their reference travels, so the caller can hand
+        them to the VAE without ever holding the tensor. Closing the stream aborts the request.
+        """
+        progress: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        result = asyncio.ensure_future(
+            self.denoise(request_id, params, encoded, lambda done, total: progress.put_nowait((done, total)))
+        )
+        try:
+            while not result.done() or not progress.empty():
+                step = asyncio.ensure_future(progress.get())
+                await asyncio.wait({step, result}, return_when=asyncio.FIRST_COMPLETED)
+                if step.done():
+                    done, total = step.result()
+                    yield {"step": done, "total": total}
+                else:
+                    step.cancel()
+            yield {"latents": ray.put(result.result())}
+        finally:
+            result.cancel()
 
     def stats(self) -> dict:
         """The engine's counters, and its steps by how many requests each advanced (the step-level batching)."""
@@ -112,5 +141,4 @@ class VAE(_EngineShim):
         super().__init__(lambda: build_vae_core(config))
 
     async def decode(self, request_id: str, latents: Latents, output: OutputMode = "pixels") -> Decoded:
-        with self._request(request_id, "decoded"):
-            return await self.engine.generate(DecodeRequest(request_id, latents, output))
+        return await self._run(DecodeRequest(request_id, latents, output), "decoded", latents.timings)

@@ -15,6 +15,7 @@ import io
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 from omni_ray.errors import EngineError, RequestError
@@ -25,24 +26,34 @@ APP_NAME = "omni-ray"
 class Client:
     """Sends OpenAI-style image requests to the app and decodes the images."""
 
-    def __init__(self, send):
+    def __init__(self, send, stream):
         self._send = send  # body dict -> response dict
+        self._stream = stream  # body dict -> iterator of event dicts
 
     @classmethod
     def http(cls, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 600.0) -> Client:
         """A client of the app's HTTP API."""
         url = base_url.rstrip("/") + "/v1/images/generations"
 
-        def send(body: dict) -> dict:
+        def post(body: dict):
             data = json.dumps(body).encode()
             request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                    return json.loads(response.read())
+                return urllib.request.urlopen(request, timeout=timeout_s)
             except urllib.error.HTTPError as err:
                 raise _error_from_body(err.code, err.read()) from None
 
-        return cls(send)
+        def send(body: dict) -> dict:
+            with post(body) as response:
+                return json.loads(response.read())
+
+        def stream(body: dict) -> Iterator[dict]:
+            with post({**body, "stream": True}) as response:
+                for line in response:
+                    if line.startswith(b"data: "):
+                        yield json.loads(line[len(b"data: "):])
+
+        return cls(send, stream)
 
     @classmethod
     def ray(cls, address: str | None = "auto", app_name: str = APP_NAME) -> Client:
@@ -62,15 +73,40 @@ class Client:
             except RayTaskError as err:  # the coordinator's own error, without Ray's traceback text
                 raise err.cause from None
 
-        return cls(send)
+        def stream(body: dict) -> Iterator[dict]:
+            try:
+                yield from handle.options(stream=True).generate_stream.remote(body)
+            except RayTaskError as err:
+                raise err.cause from None
 
-    def generate(self, prompt: str, **options: Any) -> list:
+        return cls(send, stream)
+
+    def generate(self, prompt: str, progress: bool = False, **options: Any) -> list:
         """PIL images for ``prompt``; ``options`` are the API's fields (``n``, ``size``, ``seed``, ``negative_prompt``,
-        ``num_inference_steps``, ``true_cfg_scale``, ``output_format``, ...)."""
-        from PIL import Image
+        ``num_inference_steps``, ``true_cfg_scale``, ``output_format``, ...). ``progress`` streams the request and
+        shows a progress bar of its denoising steps."""
+        body = {"prompt": prompt, **{k: v for k, v in options.items() if v is not None}}
+        if not progress:
+            return [_image(item["b64_json"]) for item in self._send(body)["data"]]
+        from tqdm import tqdm
 
-        response = self._send({"prompt": prompt, **{k: v for k, v in options.items() if v is not None}})
-        return [Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) for item in response["data"]]
+        images = {}
+        with tqdm(desc="denoising", unit="step") as bar:
+            for event in self._stream(body):
+                if event["type"] == "image_generation.progress":
+                    bar.total = event["total_steps"] * body.get("n", 1)
+                    bar.update(1)
+                elif event["type"] == "image_generation.completed":
+                    images[event["index"]] = _image(event["b64_json"])
+                elif event["type"] == "error":
+                    raise _error_from_body(500, json.dumps(event).encode())
+        return [images[index] for index in sorted(images)]
+
+
+def _image(b64: str):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
 
 
 def _error_from_body(status: int, body: bytes) -> Exception:

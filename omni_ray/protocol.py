@@ -40,6 +40,9 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1, le=200, description="Denoising steps.")
     true_cfg_scale: float = Field(4.0, ge=1.0, le=20.0, description="True CFG scale; CFG runs when > 1 with a negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the first image; random when omitted.")
+    stream: bool = Field(False, description="Answer with server-sent events: progress per step, then each image.")
+    timings: bool = Field(False, description="Add each image's time in every stage (ms, queueing included).")
+    partial_images: int = Field(0, ge=0, le=3, description="OpenAI's preview count while streaming; must be 0 here.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
 
     @field_validator("true_cfg_scale", mode="before")
@@ -105,6 +108,9 @@ def plan_request(
                     f"{config.encoder.max_model_len}",
                     param=field,
                 )
+    if request.partial_images:
+        raise RequestError("partial_images: previews are not supported; stream progress events instead (use 0)",
+                           param="partial_images")
     if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
         raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
     return GenerationPlan(
@@ -145,14 +151,37 @@ def encode_image(pixels: np.ndarray, output_format: OutputFormat, compression: i
     return buffer.getvalue()
 
 
-def images_response(files: list[bytes], request: ImageGenerationRequest, height: int, width: int) -> dict:
-    """OpenAI's images response body."""
+def progress_event(index: int, step: int, total_steps: int) -> dict:
+    """A streamed event after one denoising step of image ``index``."""
+    return {"type": "image_generation.progress", "index": index, "step": step, "total_steps": total_steps}
+
+
+def completed_event(index: int, data: bytes, request: ImageGenerationRequest, height: int, width: int) -> dict:
+    """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed``."""
     return {
-        "created": int(time.time()),
-        "data": [{"b64_json": base64.b64encode(data).decode()} for data in files],
-        "output_format": request.output_format,
+        "type": "image_generation.completed",
+        "index": index,
+        "b64_json": base64.b64encode(data).decode(),
+        "created_at": int(time.time()),
         "size": f"{width}x{height}",
+        "output_format": request.output_format,
     }
+
+
+def images_response(
+    files: list[bytes],
+    request: ImageGenerationRequest,
+    height: int,
+    width: int,
+    timings: list[dict[str, float]] | None = None,
+) -> dict:
+    """OpenAI's images response body; with ``request.timings``, each image's seconds per stage as milliseconds."""
+    data = [{"b64_json": base64.b64encode(file).decode()} for file in files]
+    if request.timings and timings is not None:
+        for item, stages in zip(data, timings):
+            item["timings_ms"] = {stage: round(1000 * seconds, 1) for stage, seconds in stages.items()}
+    return {"created": int(time.time()), "data": data, "output_format": request.output_format,
+            "size": f"{width}x{height}"}
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:

@@ -121,6 +121,7 @@ def test_the_deadline_aborts_every_stage_call():
     fake = coordinator(encoder, dit, vae)
     fake.config = SimpleNamespace(requests=SimpleNamespace(timeout_s=0.2))
     fake.chain = lambda *args: Coordinator.chain(fake, *args)
+    fake.params = lambda *args: Coordinator.params(fake, *args)
     with pytest.raises(DeadlineExceededError, match="0.2 s deadline"):
         asyncio.run(Coordinator.run(fake, plan(n=2), "slow"))
     responses = [response for method in (encoder.encode, dit.denoise, vae.decode) for _, response in method.calls]

@@ -101,8 +101,10 @@ def test_python_client_through_ray_and_http(served, reference):
     import ray
 
     try:
-        via_ray = Client.ray(address=served["address"]).generate("a red cat", size="64x64", seed=11,
-                                                                 num_inference_steps=2)
+        client = Client.ray(address=served["address"])
+        via_ray = client.generate("a red cat", size="64x64", seed=11, num_inference_steps=2)
+        streamed = client.generate("a red cat", size="64x64", seed=11, num_inference_steps=2, progress=True)
+        assert np.asarray(streamed[0]).tolist() == np.asarray(via_ray[0]).tolist()
         with pytest.raises(RequestError, match="n"):
             Client.ray(address=served["address"]).generate("a red cat", n=11)
     finally:
@@ -374,6 +376,43 @@ def test_a_request_id_flows_through_every_stage_and_back(served):
         while not any(request_id in open(path).read() for path in glob.glob(f"{logs}/replica_omni-ray_{stage}_*.log")):
             assert time.monotonic() < deadline, f"{request_id} not in the {stage} replica's log"
             time.sleep(0.5)
+
+
+def stream_events(served, body, headers=None) -> list[dict]:
+    data = json.dumps({**body, "stream": True}).encode()
+    request = urllib.request.Request(served["base"] + "/v1/images/generations", data,
+                                     {"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return [json.loads(line[len(b"data: "):]) for line in response if line.startswith(b"data: ")]
+
+
+def test_streaming_sends_one_progress_event_per_step_then_the_same_image(served):
+    body = {"prompt": "a lighthouse", "size": "64x64", "seed": 5, "num_inference_steps": 4,
+            "negative_prompt": "blurry"}
+    events = stream_events(served, body)
+    assert [e["type"] for e in events] == ["image_generation.progress"] * 4 + ["image_generation.completed"]
+    assert [(e["index"], e["step"], e["total_steps"]) for e in events[:4]] == [(0, s, 4) for s in range(1, 5)]
+    status, plain = post(served["base"] + "/v1/images/generations", {**body, "timings": True})
+    assert status == 200
+    assert events[-1]["b64_json"] == plain["data"][0]["b64_json"]  # byte-identical PNG
+    assert set(plain["data"][0]["timings_ms"]) == {"encoder", "dit", "vae"}
+    assert all(ms > 0 for ms in plain["data"][0]["timings_ms"].values())
+    assert events[-1]["size"] == "64x64" and events[-1]["output_format"] == "png"
+
+
+def test_streaming_n_images_and_the_clients_progress_bar(served, capsys):
+    from omni_ray.client import Client
+
+    events = stream_events(served, {"prompt": "a cup", "size": "64x64", "seed": 9, "num_inference_steps": 3, "n": 2})
+    for index in (0, 1):
+        mine = [e for e in events if e["index"] == index]
+        assert [e.get("step") for e in mine] == [1, 2, 3, None] and mine[-1]["type"] == "image_generation.completed"
+    client = Client.http(served["base"])
+    with_bar = client.generate("a cup", size="64x64", seed=9, num_inference_steps=3, n=2, progress=True)
+    without = client.generate("a cup", size="64x64", seed=9, num_inference_steps=3, n=2)
+    assert [np.asarray(i).tolist() for i in with_bar] == [np.asarray(i).tolist() for i in without]
+    assert "6/6" in capsys.readouterr().err  # tqdm drew the bar to the end
 
 
 def test_a_dit_replica_killed_mid_request_gives_a_clear_error_and_serve_recovers(served):

@@ -6,7 +6,7 @@ Unpack, denormalise with the VAE's latent statistics, decode the single frame, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -46,6 +46,7 @@ class Decoded:
 
     pixels: np.ndarray | None  # [H, W, 3] uint8
     latents: Latents | None
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, every stage
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ schedule, the true-CFG norm rescale and the Euler update are the same operations
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -99,6 +99,7 @@ class Latents:
     latents: torch.Tensor  # [image_seq_len, in_channels]
     height: int
     width: int
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, the stages so far
 
 
 def calculate_shift(image_seq_len: int, config) -> float:

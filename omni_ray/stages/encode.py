@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
@@ -52,6 +52,7 @@ class EncodedPrompt:
 
     prompt: PromptEmbeds
     negative: PromptEmbeds | None
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds this request spent there
 
 
 class PromptTokenizer:
