@@ -178,17 +178,19 @@ class Coordinator:
 
         async def one(index: int) -> None:
             image_id = f"{request_id}-{index}"
-            encoded = self.encoder.encode.remote(EncodeRequest(image_id, plan.request.prompt, plan.negative_prompt))
+            encoded = self.encode(image_id, plan)
             steps = self.dit.options(stream=True).denoise_stream.remote(image_id, self.params(plan, index), encoded)
+            calls = [encoded, steps]
             try:
                 async for event in steps:
                     if "latents" in event:
-                        decoded = await self.vae.decode.remote(image_id, event["latents"], "pixels")
+                        calls.append(self.vae.decode.remote(image_id, event["latents"], "pixels"))
+                        decoded = await calls[-1]
                     else:
                         events.put_nowait(progress_event(index, event["step"], event["total"]))
             except BaseException:
-                cancel(encoded)
-                cancel(steps)
+                for call in calls:
+                    cancel(call)
                 raise
             request = plan.request
             data = encode_image(decoded.pixels, request.output_format, request.output_compression)
@@ -217,6 +219,9 @@ class Coordinator:
         finally:
             tasks.cancel()
 
+    def encode(self, image_id: str, plan: GenerationPlan) -> DeploymentResponse:
+        return self.encoder.encode.remote(EncodeRequest(image_id, plan.request.prompt, plan.negative_prompt))
+
     def params(self, plan: GenerationPlan, index: int) -> DenoiseParams:
         """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
         return DenoiseParams(
@@ -227,7 +232,7 @@ class Coordinator:
         self, request_id: str, plan: GenerationPlan, params: DenoiseParams, output: OutputMode
     ) -> list[DeploymentResponse]:
         """Starts one image's three stage calls, each taking the previous one's response by reference."""
-        encoded = self.encoder.encode.remote(EncodeRequest(request_id, plan.request.prompt, plan.negative_prompt))
+        encoded = self.encode(request_id, plan)
         latents = self.dit.denoise.remote(request_id, params, encoded)
         if output == "latents":
             return [encoded, latents]

@@ -58,6 +58,7 @@ def plan(**body):
 def coordinator(encoder, dit, vae):
     fake = type("Self", (), {})()
     fake.encoder, fake.dit, fake.vae = encoder, dit, vae
+    fake.encode = lambda *args: Coordinator.encode(fake, *args)
     return fake
 
 
