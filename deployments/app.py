@@ -10,7 +10,7 @@ from ray.serve import Application
 
 from deployments.coordinator import Coordinator
 from deployments.stages import VAE, DiT, Encoder
-from omni_ray.config import DeploymentConfig, PipelineConfig, load_config
+from omni_ray.config import DeploymentConfig, load_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

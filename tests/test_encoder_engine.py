@@ -8,7 +8,6 @@ import torch
 from diffusers import QwenImagePipeline
 
 from omni_ray.config import load_config
-from omni_ray.engine.builders import build_encoder_core
 from omni_ray.engine.pipeline import EnginePipeline
 from omni_ray.stages.denoise import DenoiseParams
 from omni_ray.stages.encode import EncodeRequest

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from omni_ray.tiny import PROMPT_TEMPLATE_PREFIX, SCHEDULER_CONFIG, write_checkpoint
