@@ -7,6 +7,7 @@ names the field, so nothing downstream handles a dict or a bad value.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 from typing import Annotated, Any, Literal
@@ -113,6 +114,26 @@ class VAEConfig(_StageConfig):
     max_batch_size: PositiveInt = Field(4, description="Most same-size latents decoded in one VAE call.")
 
 
+class EditConfig(_Frozen):
+    """Image editing (a Qwen-Image-Edit checkpoint): how input images are taken."""
+
+    image_area: PositiveInt = Field(
+        1024 * 1024,
+        description="Pixels an input image is resized to, keeping its aspect ratio, sides rounded to multiples of "
+        "32: its working size, which the encoder and the VAE see and the output takes by default. diffusers' "
+        "QwenImageEditPipeline uses 1024x1024.",
+    )
+    max_image_bytes: PositiveInt = Field(
+        20 << 20, description="Largest input image file a request may upload; a larger one gets a 413."
+    )
+
+    @property
+    def max_vision_pixels(self) -> int:
+        """A bound on the pixels Qwen2.5-VL's processor sees: the working size with sides rounded to 28 (at most
+        (32 + 14) / 32 longer each, as sides are at least 32) stays within 4x the area."""
+        return 4 * self.image_area
+
+
 class RequestLimits(_Frozen):
     """What requests may ask of this preset, and what they get when they do not say."""
 
@@ -165,6 +186,11 @@ class PipelineConfig(_Frozen):
     encoder: EncoderConfig = Field(default_factory=EncoderConfig, description="Encoder stage.")
     dit: DiTConfig = Field(default_factory=DiTConfig, description="Denoising stage.")
     vae: VAEConfig = Field(default_factory=VAEConfig, description="Decoding stage.")
+    edit: EditConfig | None = Field(
+        None,
+        description="Set for a Qwen-Image-Edit checkpoint: the app serves /v1/images/edits (input image and prompt) "
+        "instead of /v1/images/generations.",
+    )
 
     @model_validator(mode="after")
     def _check_stages(self) -> PipelineConfig:
@@ -215,11 +241,20 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
         if config.build_if_missing and not model_dir.exists():
             from omni_ray.tiny import write_checkpoint
 
-            write_checkpoint(model_dir, seed=0, size=config.build_if_missing)
-        if not (model_dir / "model_index.json").is_file():
+            write_checkpoint(model_dir, seed=0, size=config.build_if_missing, edit=config.edit is not None)
+        index = model_dir / "model_index.json"
+        if not index.is_file():
             raise ConfigError(
                 f"{source}: model: {config.model!r} is not a checkpoint directory (no model_index.json); "
-                "build the tiny one with `python -m omni_ray.tiny DIR`"
+                "build the tiny one with `python -m omni_ray.tiny DIR` (`--edit` for an edit checkpoint)"
+            )
+        pipeline = json.loads(index.read_text()).get("_class_name")
+        expected = "QwenImageEditPipeline" if config.edit is not None else "QwenImagePipeline"
+        if pipeline != expected:
+            raise ConfigError(
+                f"{source}: model: {config.model!r} is a {pipeline} checkpoint, but this preset "
+                f"{'edits' if config.edit is not None else 'generates'} images and needs a {expected} one "
+                f"(`edit:` is set for Qwen-Image-Edit checkpoints only)"
             )
         config = config.model_copy(update={"model": str(model_dir.resolve())})
     return config

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from omni_ray.config import PipelineConfig, load_config
-from omni_ray.stages.decode import LatentDecoder
+from omni_ray.stages.decode import VaeRunner
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRunner
-from omni_ray.stages.encode import PromptEncoder
+from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE, PromptEncoder
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs" / "qwen_image_tiny.yaml"
 
@@ -27,10 +27,14 @@ class LocalPipeline:
     def __init__(self, config: PipelineConfig):
         self.config = config
         self.encoder = PromptEncoder(
-            config.model, _dtype(config.encoder.dtype), config.encoder.device, config.encoder.max_sequence_length
+            config.model,
+            _dtype(config.encoder.dtype),
+            config.encoder.device,
+            config.encoder.max_sequence_length,
+            EDIT if config.edit is not None else TEXT_TO_IMAGE,
         )
         self.denoiser = DenoiseRunner(config.model, _dtype(config.dit.dtype), config.dit.device)
-        self.decoder = LatentDecoder(config.model, _dtype(config.vae.dtype), config.vae.device)
+        self.decoder = VaeRunner(config.model, _dtype(config.vae.dtype), config.vae.device)
 
     def generate(
         self,
@@ -42,16 +46,21 @@ class LocalPipeline:
         num_inference_steps: int,
         negative_prompts: list[str] | None = None,
         true_cfg_scale: float = 4.0,
+        image: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Images for ``prompts`` (one seed each), as uint8 ``[B, H, W, 3]``."""
+        """Images for ``prompts`` (one seed each), as uint8 ``[B, H, W, 3]``; an edit preset edits ``image``
+        (uint8 ``[H, W, 3]`` at its working size: ``protocol.working_size`` and ``resize_image``)."""
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
-        prompt_embeds = self.encoder.encode(prompts)
+        if (image is not None) != (self.config.edit is not None):
+            raise ValueError("an edit preset takes an image and a text-to-image preset none")
+        prompt_embeds = self.encoder.encode(prompts, image)
         use_cfg = true_cfg_scale > 1 and negative_prompts is not None
-        negative_embeds = self.encoder.encode(negative_prompts) if use_cfg else [None] * len(prompts)
+        negative_embeds = self.encoder.encode(negative_prompts, image) if use_cfg else [None] * len(prompts)
+        image_latents = self.decoder.encode([image])[0] if image is not None else None
         states = [
             self.denoiser.prepare(
-                DenoiseParams(height, width, num_inference_steps, seed, true_cfg_scale), prompt, negative
+                DenoiseParams(height, width, num_inference_steps, seed, true_cfg_scale), prompt, negative, image_latents
             )
             for prompt, negative, seed in zip(prompt_embeds, negative_embeds, seeds)
         ]

@@ -1,13 +1,15 @@
 """The request and response records of omni-ray's images API, after OpenAI's images API.
 
-``ImageGenerationRequest`` is what ``POST /v1/images/generations`` and the Python client send; it is validated once,
-at the coordinator, against the preset's limits, and every error names the field it is about.
+``ImageGenerationRequest`` is what ``POST /v1/images/generations`` and the Python client send, and the form fields
+of ``POST /v1/images/edits`` beside its ``image`` file; it is validated once, at the coordinator, against the
+preset's limits, and every error names the field it is about.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import math
 import random
 import time
 from collections.abc import Callable
@@ -18,10 +20,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from omni_ray.config import PipelineConfig
-from omni_ray.errors import RequestError
+from omni_ray.errors import PayloadTooLargeError, RequestError
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_SEED = 2**63 - 1
+INPUT_FORMATS = ("PNG", "JPEG", "WEBP")  # what /v1/images/edits takes, as OpenAI's does
+MAX_INPUT_PIXELS = 8192 * 8192  # an input image's pixels before resizing; refused past it (decompression bombs)
 
 
 class ImageGenerationRequest(BaseModel):
@@ -58,12 +62,13 @@ class ImageGenerationRequest(BaseModel):
         return value
 
 
-def parse_request(body: object) -> ImageGenerationRequest:
-    """Validates a decoded JSON body; raises RequestError naming the first bad field."""
+def parse_request(body: object, form: bool = False) -> ImageGenerationRequest:
+    """Validates a decoded JSON body, or with ``form`` multipart form fields (all strings, converted as their field
+    needs); raises RequestError naming the first bad field."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", param=None)
     try:
-        return ImageGenerationRequest.model_validate(body)
+        return ImageGenerationRequest.model_validate(body, strict=not form)
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
@@ -80,6 +85,7 @@ class GenerationPlan:
     width: int
     num_inference_steps: int
     seed: int  # image i uses seed + i
+    image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
 
     @property
     def negative_prompt(self) -> str | None:
@@ -89,20 +95,29 @@ class GenerationPlan:
 
 
 def plan_request(
-    body: object, config: PipelineConfig, count_tokens: Callable[[str], int] | None = None
+    body: object,
+    config: PipelineConfig,
+    count_tokens: Callable[..., int] | None = None,
+    image: np.ndarray | None = None,
 ) -> GenerationPlan:
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
 
-    ``count_tokens`` gives a prompt's templated length, checked against the encoder's limit.
+    An edit brings its ``image`` (``load_input_image``'s); its working size is the default output size.
+    ``count_tokens(text, image_size)`` gives a prompt's templated length (the image's tokens included), checked
+    against the encoder's limit.
     """
+    if (image is None) != (config.edit is None):
+        route = "/v1/images/edits with an `image` file" if config.edit is not None else "/v1/images/generations"
+        raise RequestError(f"image: this app serves {config.name!r}; send requests to {route}", param="image")
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
     if request.model is not None and request.model != config.name:
         raise RequestError(f"model: this app serves {config.name!r}, not {request.model!r}", param="model")
-    height, width = resolve_size(request, config)
+    height, width = resolve_size(request, config, image.shape[:2] if image is not None else None)
     if count_tokens is not None:
+        image_size = image.shape[:2] if image is not None else None
         for field in ("prompt", "negative_prompt"):
             text = getattr(request, field)
-            if text is not None and (tokens := count_tokens(text)) > config.encoder.max_model_len:
+            if text is not None and (tokens := count_tokens(text, image_size)) > config.encoder.max_model_len:
                 raise RequestError(
                     f"{field}: {tokens} tokens with the prompt template; the limit is "
                     f"{config.encoder.max_model_len}",
@@ -119,26 +134,94 @@ def plan_request(
         width=width,
         num_inference_steps=request.num_inference_steps or config.requests.default_steps,
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
+        image=image,
     )
 
 
-def resolve_size(request: ImageGenerationRequest, config: PipelineConfig) -> tuple[int, int]:
-    """(height, width) for the request, checked against the preset's limits."""
+def resolve_size(
+    request: ImageGenerationRequest, config: PipelineConfig, default: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """(height, width) for the request, checked against the preset's limits; ``default`` (an edit's working size)
+    replaces the preset's default size."""
     limits = config.requests
     if request.size in (None, "auto"):
-        return limits.default_height, limits.default_width
+        return default or (limits.default_height, limits.default_width)
     try:
         width, height = (int(side) for side in request.size.lower().split("x"))
     except ValueError:
         raise RequestError(f"size: expected 'WIDTHxHEIGHT', got {request.size!r}", param="size") from None
+    check_sides(width, height, config, "size")
+    return height, width
+
+
+def check_sides(width: int, height: int, config: PipelineConfig, param: str, what: str = "") -> None:
+    """Raises RequestError (naming ``param``) unless both sides are multiples of the preset's and within its
+    limits."""
+    limits = config.requests
     for name, side in (("width", width), ("height", height)):
         if side % limits.size_multiple:
-            raise RequestError(f"size: {name} {side} is not a multiple of {limits.size_multiple}", param="size")
+            raise RequestError(
+                f"{param}: {what}{name} {side} is not a multiple of {limits.size_multiple}", param=param
+            )
         if not limits.min_side <= side <= limits.max_side:
             raise RequestError(
-                f"size: {name} {side} is outside {limits.min_side}..{limits.max_side}", param="size"
+                f"{param}: {what}{name} {side} is outside {limits.min_side}..{limits.max_side}", param=param
             )
-    return height, width
+
+
+def load_input_image(data: bytes | None, config: PipelineConfig) -> np.ndarray:
+    """An edit's uploaded image file, checked and resized to its working size (``config.edit.image_area`` pixels at
+    its aspect ratio, as diffusers' ``QwenImageEditPipeline`` resizes it): uint8 ``[H, W, 3]``.
+
+    Raises RequestError (param ``image``) for a missing, unreadable, corrupt or unsupported file, or one whose
+    aspect ratio gives a working size outside the preset's side limits; PayloadTooLargeError past
+    ``config.edit.max_image_bytes``.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    edit = config.edit
+    if not data:
+        raise RequestError("image: required: the image to edit, as a PNG, JPEG or WebP file", param="image")
+    if len(data) > edit.max_image_bytes:
+        raise PayloadTooLargeError(
+            f"image: the file is {len(data)} bytes; the limit is {edit.max_image_bytes}", param="image"
+        )
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise RequestError("image: not a readable image file; send PNG, JPEG or WebP", param="image") from None
+    except Image.DecompressionBombError:
+        raise RequestError(f"image: more than {MAX_INPUT_PIXELS} pixels", param="image") from None
+    if image.format not in INPUT_FORMATS:
+        raise RequestError(f"image: {image.format} files are not supported; send PNG, JPEG or WebP", param="image")
+    if image.width * image.height > MAX_INPUT_PIXELS:
+        raise RequestError(
+            f"image: {image.width}x{image.height} is more than {MAX_INPUT_PIXELS} pixels", param="image"
+        )
+    try:
+        image = ImageOps.exif_transpose(image).convert("RGB")  # decodes the whole file
+    except Exception as err:
+        raise RequestError(f"image: the file is corrupt or truncated ({err})", param="image") from None
+    height, width = working_size(image.width, image.height, edit.image_area)
+    check_sides(width, height, config, "image", f"a {image.width}x{image.height} image's working ")
+    return resize_image(image, height, width)
+
+
+def working_size(width: int, height: int, area: int) -> tuple[int, int]:
+    """(height, width) of an edit's input image: ``area`` pixels at its aspect ratio, sides rounded to multiples of
+    32, as diffusers' ``calculate_dimensions`` gives."""
+    ratio = width / height
+    new_width = math.sqrt(area * ratio)
+    new_height = new_width / ratio
+    return round(new_height / 32) * 32, round(new_width / 32) * 32
+
+
+def resize_image(image, height: int, width: int) -> np.ndarray:
+    """An RGB PIL image resized to (height, width) as diffusers' ``VaeImageProcessor.resize`` does (Lanczos), as
+    uint8 ``[H, W, 3]``."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    return np.asarray(VaeImageProcessor(vae_scale_factor=16).resize(image, height, width))
 
 
 def encode_image(pixels: np.ndarray, output_format: OutputFormat, compression: int | None = None) -> bytes:

@@ -1,14 +1,17 @@
-"""Write a randomly initialised Qwen-Image checkpoint offline, in diffusers' on-disk layout.
+"""Write a randomly initialised Qwen-Image (or Qwen-Image-Edit) checkpoint offline, in diffusers' on-disk layout.
 
-    python -m omni_ray.tiny OUT_DIR [--seed N] [--size tiny|small]
+    python -m omni_ray.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit]
 
 The folders are the ones ``Qwen/Qwen-Image`` ships (``model_index.json``, ``scheduler/``, ``text_encoder/``,
 ``tokenizer/``, ``transformer/``, ``vae/``), so ``QwenImagePipeline.from_pretrained(OUT_DIR)`` loads it and vLLM
-loads ``text_encoder/`` as a Qwen2.5-VL model. Only the sizes are small:
+loads ``text_encoder/`` as a Qwen2.5-VL model. ``--edit`` writes ``Qwen/Qwen-Image-Edit``'s layout instead: the same
+folders plus ``processor/`` (Qwen2.5-VL's processor, for the vision path), loaded by ``QwenImageEditPipeline``.
+Only the sizes are small:
 
-- the tokenizer is a byte-level BPE trained here on a small corpus, so that the 34-token prefix of diffusers'
-  prompt template tokenises to 34 tokens, as it does with Qwen's own vocabulary;
-- the text encoder's attention heads are 32 wide (vLLM's CPU attention needs at least 32);
+- the tokenizer is a byte-level BPE trained here on a small corpus, so that the dropped prefixes of diffusers'
+  prompt templates tokenise to 34 (text to image) and 64 (edit) tokens, as they do with Qwen's own vocabulary;
+- the text encoder's and the vision tower's attention heads are 32 wide (vLLM's CPU attention needs at least 32);
+- the image processor is Qwen2.5-VL's, with Qwen-Image-Edit's pixel bounds;
 - the VAE keeps Qwen-Image's 8x spatial compression and 16 latent channels, with non-trivial latent statistics;
 - the scheduler config is Qwen-Image's own.
 
@@ -24,11 +27,9 @@ import pathlib
 
 import torch
 
-PROMPT_TEMPLATE_PREFIX = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
-    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
-)
-PROMPT_TEMPLATE_PREFIX_TOKENS = 34
+from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE
+
+TEMPLATES = (TEXT_TO_IMAGE, EDIT)
 
 # Qwen2.5-VL's special tokens, in Qwen's order, so that the vision path (image editing) finds them too.
 SPECIAL_TOKENS = (
@@ -104,9 +105,11 @@ def build_tokenizer():
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # The template text is repeated so that each of its words becomes one token, as in Qwen's vocabulary.
-    template_text = PROMPT_TEMPLATE_PREFIX.replace("<|im_start|>", "").replace("<|im_end|>", "")
-    bpe.train_from_iterator([template_text] * 64 + list(_CORPUS) * 8 + ["assistant\n"] * 64, trainer=trainer)
+    # The templates' text is repeated so that each of its words becomes one token, as in Qwen's vocabulary.
+    template_texts = [
+        template.dropped_text.replace("<|im_start|>", "").replace("<|im_end|>", "") for template in TEMPLATES
+    ]
+    bpe.train_from_iterator(template_texts * 64 + list(_CORPUS) * 8 + ["assistant\n"] * 64, trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
 
@@ -120,10 +123,34 @@ def build_tokenizer():
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     tokenizer.add_special_tokens({"pad_token": SPECIAL_TOKENS[0]})
-    num_prefix = len(tokenizer(PROMPT_TEMPLATE_PREFIX).input_ids)
-    if num_prefix != PROMPT_TEMPLATE_PREFIX_TOKENS:
-        raise RuntimeError(f"template prefix is {num_prefix} tokens, expected {PROMPT_TEMPLATE_PREFIX_TOKENS}")
+    for template in TEMPLATES:
+        num_dropped = len(tokenizer(template.dropped_text).input_ids)
+        if num_dropped != template.drop:
+            raise RuntimeError(f"template prefix is {num_dropped} tokens, expected {template.drop}")
     return tokenizer
+
+
+# Qwen/Qwen-Image-Edit's processor/preprocessor_config.json, in transformers' current names.
+IMAGE_PROCESSOR_CONFIG = {
+    "size": {"shortest_edge": 3136, "longest_edge": 12845056},
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def build_processor(tokenizer):
+    """Qwen2.5-VL's processor over the tiny tokenizer: what the edit pipeline's vision path runs."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**IMAGE_PROCESSOR_CONFIG),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+    )
 
 
 def build_text_encoder(tokenizer, seed: int):
@@ -149,8 +176,8 @@ def build_text_encoder(tokenizer, seed: int):
         },
         vision_config={
             "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
             "num_heads": 2,
             "out_hidden_size": TEXT_HIDDEN_SIZE,
             "patch_size": 14,
@@ -225,21 +252,27 @@ def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def write_checkpoint(out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny") -> pathlib.Path:
-    """Writes the checkpoint to ``out_dir`` and returns its path."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+def write_checkpoint(
+    out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny", edit: bool = False
+) -> pathlib.Path:
+    """Writes the checkpoint (an edit one with ``edit``) to ``out_dir`` and returns its path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImagePipeline
 
     if size not in TRANSFORMER_SIZES:
         raise ValueError(f"size must be one of {sorted(TRANSFORMER_SIZES)}, got {size!r}")
     out = pathlib.Path(out_dir)
     tokenizer = build_tokenizer()
-    pipe = QwenImagePipeline(
+    components = dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=build_vae(seed),
         text_encoder=build_text_encoder(tokenizer, seed),
         tokenizer=tokenizer,
         transformer=build_transformer(size, seed),
     )
+    if edit:
+        pipe = QwenImageEditPipeline(processor=build_processor(tokenizer), **components)
+    else:
+        pipe = QwenImagePipeline(**components)
     pipe.save_pretrained(out, safe_serialization=True)
     return out
 
@@ -249,9 +282,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0, help="seed for every weight (default 0)")
     parser.add_argument("--size", choices=sorted(TRANSFORMER_SIZES), default="tiny", help="transformer size")
+    parser.add_argument("--edit", action="store_true", help="write a Qwen-Image-Edit checkpoint (with processor/)")
     args = parser.parse_args(argv)
-    out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size)
-    print(f"wrote a {args.size} Qwen-Image checkpoint (seed {args.seed}) to {out}")
+    out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size, edit=args.edit)
+    kind = "Qwen-Image-Edit" if args.edit else "Qwen-Image"
+    print(f"wrote a {args.size} {kind} checkpoint (seed {args.seed}) to {out}")
 
 
 if __name__ == "__main__":

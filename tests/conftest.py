@@ -13,6 +13,16 @@ def tiny_dir(tmp_path_factory) -> pathlib.Path:
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def edit_dir(tmp_path_factory) -> pathlib.Path:
+    """The tiny edit checkpoint (seed 0), written by the command users run: `python -m omni_ray.tiny --edit DIR`."""
+    from omni_ray.tiny import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-edit"
+    main([str(out), "--edit"])
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)

@@ -7,9 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
-from omni_ray.tiny import PROMPT_TEMPLATE_PREFIX, SCHEDULER_CONFIG, write_checkpoint
+from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE
+from omni_ray.tiny import IMAGE_PROCESSOR_CONFIG, SCHEDULER_CONFIG, write_checkpoint
 
 LAYOUT = {"model_index.json", "scheduler", "text_encoder", "tokenizer", "transformer", "vae"}
 
@@ -47,15 +49,40 @@ def test_layout_and_configs(tiny_dir):
     assert text["hidden_size"] // text["num_attention_heads"] >= 32
 
 
-def test_template_prefix_is_34_tokens(tiny_dir):
+@pytest.mark.parametrize("template", [TEXT_TO_IMAGE, EDIT], ids=["text-to-image", "edit"])
+def test_template_prefix_is_as_many_tokens_as_diffusers_drops(tiny_dir, template):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
-    prefix = tokenizer(PROMPT_TEMPLATE_PREFIX).input_ids
-    assert len(prefix) == 34
-    # The prefix of a templated prompt is the same 34 tokens whatever the prompt, so dropping 34 drops the template.
-    full = tokenizer(PROMPT_TEMPLATE_PREFIX + "a red cat<|im_end|>\n").input_ids
-    assert full[:34] == prefix and len(full) > 34
+    prefix = tokenizer(template.dropped_text).input_ids
+    assert len(prefix) == template.drop == {TEXT_TO_IMAGE: 34, EDIT: 64}[template]
+    # A templated prompt starts with the same tokens whatever the prompt, so dropping them drops the system turn.
+    full = tokenizer(template.text.format("a red cat")).input_ids
+    assert full[: template.drop] == prefix and len(full) > template.drop
+
+
+def test_edit_checkpoint_has_qwen_image_edit_layout_and_is_deterministic(edit_dir, tiny_dir, tmp_path):
+    assert {p.name for p in edit_dir.iterdir()} == LAYOUT | {"processor"}
+    index = json.loads((edit_dir / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPipeline"
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    processor = json.loads((edit_dir / "processor/processor_config.json").read_text())["image_processor"]
+    assert {k: processor[k] for k in IMAGE_PROCESSOR_CONFIG} == IMAGE_PROCESSOR_CONFIG
+    # The same weights as the text-to-image checkpoint of the same seed; only the pipeline around them differs.
+    edit, plain = digests(edit_dir), digests(tiny_dir)
+    assert all(edit[name] == plain[name] for name in plain if name.endswith(".safetensors"))
+    assert digests(write_checkpoint(tmp_path / "again", seed=0, edit=True)) == edit
+
+
+def test_edit_checkpoint_loads_in_diffusers_and_edits(edit_dir):
+    from diffusers import QwenImageEditPipeline
+    from PIL import Image
+
+    pipe = QwenImageEditPipeline.from_pretrained(edit_dir)
+    source = Image.fromarray((torch.rand(48, 80, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
+    image = pipe(image=source, prompt="make it red", height=64, width=96, num_inference_steps=2, output_type="np",
+                 generator=torch.Generator("cpu").manual_seed(0)).images
+    assert image.shape == (1, 64, 96, 3) and image.std() > 0.05
 
 
 def test_small_size_is_wider_and_deeper(tmp_path):

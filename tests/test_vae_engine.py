@@ -6,13 +6,13 @@ import torch
 
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.vae_scheduler import VAEScheduler
-from omni_ray.stages.decode import DecodeRequest, LatentDecoder
+from omni_ray.stages.decode import DecodeRequest, VaeRunner
 from omni_ray.stages.denoise import Latents
 
 
 @pytest.fixture(scope="module")
 def decoder(tiny_dir):
-    return LatentDecoder(str(tiny_dir))
+    return VaeRunner(str(tiny_dir))
 
 
 def latents(seed, height=64, width=64):

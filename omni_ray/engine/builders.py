@@ -9,22 +9,25 @@ from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.encoder_core import EncoderEngineCore
 from omni_ray.engine.vae_scheduler import VAEScheduler
-from omni_ray.stages.decode import LatentDecoder
+from omni_ray.stages.decode import VaeRunner
 from omni_ray.stages.denoise import DenoiseRunner
-from omni_ray.stages.encode import PromptTokenizer, VllmTextEncoder
+from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE, PromptTokenizer, VllmEncoder
 
 
 def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
-    """vLLM's engine core on the text encoder. vLLM binds threads for its whole process: give it its own."""
+    """vLLM's engine core on the text encoder (with its vision tower for edits). vLLM binds threads for its whole
+    process: give it its own."""
     stage = config.encoder
-    encoder = VllmTextEncoder(
+    encoder = VllmEncoder(
         config.model,
         dtype=stage.dtype,
         max_num_seqs=stage.max_num_seqs,
         max_model_len=stage.max_model_len,
         kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
+        max_image_pixels=config.edit.max_vision_pixels if config.edit is not None else None,
     )
-    return EncoderEngineCore(PromptTokenizer(config.model), encoder, stage.max_sequence_length)
+    tokenizer = PromptTokenizer(config.model, EDIT if config.edit is not None else TEXT_TO_IMAGE)
+    return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length)
 
 
 def build_dit_core(config: PipelineConfig) -> EngineCore:
@@ -35,5 +38,5 @@ def build_dit_core(config: PipelineConfig) -> EngineCore:
 
 def build_vae_core(config: PipelineConfig) -> EngineCore:
     stage = config.vae
-    runner = LatentDecoder(config.model, getattr(torch, stage.dtype), stage.device)
+    runner = VaeRunner(config.model, getattr(torch, stage.dtype), stage.device)
     return EngineCore(VAEScheduler(stage.max_batch_size), runner)

@@ -1,7 +1,8 @@
 """The encoder's engine core: vLLM's ``EngineCore`` under our engine contract.
 
 vLLM schedules and batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and
-the negative prompt for true CFG), and returns the request once all its texts are encoded, template dropped.
+the negative prompt for true CFG; for an edit each with the input image), and returns the request once all its
+texts are encoded, template dropped.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from omni_ray.stages.encode import (
     EncodeRequest,
     PromptEmbeds,
     PromptTokenizer,
-    VllmTextEncoder,
+    VllmEncoder,
     to_prompt_embeds,
 )
 
 
 class EncoderEngineCore:
-    def __init__(self, tokenizer: PromptTokenizer, encoder: VllmTextEncoder, max_sequence_length: int = 512):
+    def __init__(self, tokenizer: PromptTokenizer, encoder: VllmEncoder, max_sequence_length: int = 512):
         self.tokenizer = tokenizer
         self.encoder = encoder
         self.max_sequence_length = max_sequence_length
@@ -31,7 +32,7 @@ class EncoderEngineCore:
         token_ids = {part: self.tokenizer.tokenize(text) for part, text in texts.items()}
         self.pending[request.request_id] = dict.fromkeys(texts)
         for part, ids in token_ids.items():
-            self.encoder.add(f"{request.request_id}/{part}", ids)
+            self.encoder.add(f"{request.request_id}/{part}", ids, request.image)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         sequences = []
@@ -54,7 +55,7 @@ class EncoderEngineCore:
             parts = self.pending.get(request_id)
             if parts is None:  # aborted while vLLM ran it
                 continue
-            parts[part] = to_prompt_embeds(hidden, self.max_sequence_length)
+            parts[part] = to_prompt_embeds(hidden, self.tokenizer.template, self.max_sequence_length)
             if all(embeds is not None for embeds in parts.values()):
                 del self.pending[request_id]
                 result = EncodedPrompt(prompt=parts["prompt"], negative=parts.get("negative"))

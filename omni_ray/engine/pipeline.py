@@ -7,10 +7,14 @@ holds the encoder engine runs the other stages single-threaded too; the served a
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
+
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine, ProgressCallback
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
-from omni_ray.stages.decode import Decoded, DecodeRequest, OutputMode
+from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
 from omni_ray.stages.encode import EncodeRequest
 
@@ -35,11 +39,19 @@ class EnginePipeline:
         negative_prompt: str | None = None,
         output: OutputMode = "pixels",
         on_progress: ProgressCallback | None = None,
+        image: np.ndarray | None = None,
     ) -> Decoded:
+        """One image; an edit passes its input ``image`` (uint8 ``[H, W, 3]`` at its working size)."""
         use_cfg = params.true_cfg_scale > 1 and negative_prompt is not None
-        encoded = await self.encoder.generate(EncodeRequest(request_id, prompt, negative_prompt if use_cfg else None))
+        encode = EncodeRequest(request_id, prompt, negative_prompt if use_cfg else None, image)
+        if image is None:
+            encoded, image_latents = await self.encoder.generate(encode), None
+        else:
+            encoded, image_latents = await asyncio.gather(
+                self.encoder.generate(encode), self.vae.generate(ImageEncodeRequest(request_id, image))
+            )
         latents = await self.dit.generate(
-            DenoiseRequest(request_id, params, encoded.prompt, encoded.negative), on_progress
+            DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image_latents), on_progress
         )
         return await self.vae.generate(DecodeRequest(request_id, latents, output))
 

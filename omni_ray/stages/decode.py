@@ -1,7 +1,10 @@
-"""Decode stage: packed latents to uint8 pixels with Qwen-Image's VAE, a batch of same-size latents per call.
+"""VAE stage: packed latents to uint8 pixels with Qwen-Image's VAE, and for edits input images to packed latents;
+a batch of same-size items per call.
 
-Unpack, denormalise with the VAE's latent statistics, decode the single frame, and postprocess exactly as diffusers'
-``QwenImagePipeline`` and ``VaeImageProcessor`` do (``output_type="pil"`` rounds to uint8 the same way).
+Decoding unpacks, denormalises with the VAE's latent statistics, decodes the single frame, and postprocesses exactly
+as diffusers' ``QwenImagePipeline`` and ``VaeImageProcessor`` do (``output_type="pil"`` rounds to uint8 the same
+way). Encoding preprocesses, takes the latent distribution's mode, normalises and packs, as
+``QwenImageEditPipeline.prepare_latents`` does.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 
-from omni_ray.stages.denoise import Latents
+from omni_ray.stages.denoise import Latents, pack_latents
 
 
 OutputMode = Literal["pixels", "latents", "both"]
@@ -29,15 +32,27 @@ class DecodeRequest:
     output: OutputMode = "pixels"
 
     @property
-    def batch_key(self) -> tuple[int, int]:
-        return (self.latents.height, self.latents.width)
+    def batch_key(self) -> tuple[str, int, int]:
+        return ("decode", self.latents.height, self.latents.width)
+
+
+@dataclass(slots=True)
+class ImageEncodeRequest:
+    """An edit's input image, to become the latents the DiT denoises beside."""
+
+    request_id: str
+    image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 16)
+
+    @property
+    def batch_key(self) -> tuple[str, int, int]:
+        return ("encode", *self.image.shape[:2])
 
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """One engine step's work: same-size requests decoded in one VAE call (the VAE scheduler's output)."""
+    """One engine step's work: same-key requests run in one VAE call (the VAE scheduler's output)."""
 
-    requests: list[DecodeRequest]
+    requests: list[DecodeRequest] | list[ImageEncodeRequest]
 
 
 @dataclass(slots=True)
@@ -53,7 +68,7 @@ class Decoded:
 class DecodeOutput:
     """What one engine step produced (the runner's output)."""
 
-    finished: dict[str, Decoded]  # request id -> result
+    finished: dict[str, Decoded | Latents]  # request id -> result (Latents for an ImageEncodeRequest)
     errors: dict[str, str]  # request id -> message
 
 
@@ -66,8 +81,8 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_fac
     return latents.reshape(batch, channels // 4, 1, rows, cols)
 
 
-class LatentDecoder:
-    """Loads the VAE and decodes batches of same-size latents."""
+class VaeRunner:
+    """Loads the VAE; decodes batches of same-size latents and encodes batches of same-size images."""
 
     def __init__(self, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.device = torch.device(device)
@@ -77,10 +92,13 @@ class LatentDecoder:
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         z_dim = self.vae.config.z_dim
         self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-        self.latents_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+        self.latents_std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
 
     def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
-        """Decodes the batch's latents in one call; requests that asked for latents only skip the VAE."""
+        """Runs the batch in one VAE call; decode requests that asked for latents only skip the VAE."""
+        if isinstance(batch.requests[0], ImageEncodeRequest):
+            latents = self.encode([request.image for request in batch.requests])
+            return DecodeOutput(finished=dict(zip((r.request_id for r in batch.requests), latents)), errors={})
         to_decode = [request for request in batch.requests if request.output != "latents"]
         pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
         by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
@@ -101,7 +119,22 @@ class LatentDecoder:
         packed = torch.stack([item.latents for item in batch]).to(self.device)
         latents = unpack_latents(packed, height, width, self.vae_scale_factor).to(self.vae.dtype)
         mean = self.latents_mean.to(latents.device, latents.dtype)
-        std = self.latents_std.to(latents.device, latents.dtype)
-        image = self.vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        inverse_std = 1.0 / self.latents_std.to(latents.device, latents.dtype)
+        image = self.vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
         image = self.image_processor.postprocess(image, output_type="np")
         return (image * 255).round().astype(np.uint8)
+
+    @torch.no_grad()
+    def encode(self, images: list[np.ndarray]) -> list[Latents]:
+        """Encodes same-size uint8 images ``[H, W, 3]`` in one VAE call; returns each one's packed latents."""
+        from PIL import Image
+
+        height, width = images[0].shape[:2]
+        assert all(image.shape[:2] == (height, width) for image in images), "mixed sizes in one encode"
+        pixels = torch.cat([self.image_processor.preprocess(Image.fromarray(image), height, width) for image in images])
+        pixels = pixels.unsqueeze(2).to(self.device, self.vae.dtype)  # one frame: [B, 3, 1, H, W]
+        latents = self.vae.encode(pixels).latent_dist.mode()
+        mean = self.latents_mean.to(latents.device, latents.dtype)
+        std = self.latents_std.to(latents.device, latents.dtype)
+        packed = pack_latents(((latents - mean) / std).transpose(1, 2))
+        return [Latents(row.cpu().contiguous(), height, width) for row in packed]

@@ -3,7 +3,9 @@
 Each request carries its own state (latents, scheduler with its timesteps and step index, prompt embeddings), so
 requests with different step counts, seeds, prompts and CFG scales share one forward pass; the engine decides which
 states step together. Numerics follow diffusers' ``QwenImagePipeline.__call__``: the noise, the dynamic-shift
-schedule, the true-CFG norm rescale and the Euler update are the same operations on the same values.
+schedule, the true-CFG norm rescale and the Euler update are the same operations on the same values. An edit
+(``QwenImageEditPipeline``) also carries its input image's packed latents: they ride behind the noisy latents in
+every forward pass, with their own entry in the rotary shapes, and the prediction for them is dropped.
 """
 
 from __future__ import annotations
@@ -30,23 +32,26 @@ class DenoiseParams:
     seed: int
     true_cfg_scale: float = 1.0  # CFG runs when > 1 and a negative prompt is given
 
-    def batch_key(self, has_negative: bool) -> tuple[int, int, bool]:
-        """Requests whose keys match can share a forward pass."""
-        return (self.height, self.width, self.true_cfg_scale > 1 and has_negative)
+    def batch_key(self, has_negative: bool, image_size: tuple[int, int] | None = None) -> tuple:
+        """Requests whose keys match can share a forward pass: same size, CFG mode and edit image size."""
+        return (self.height, self.width, self.true_cfg_scale > 1 and has_negative, image_size)
 
 
 @dataclass(slots=True)
 class DenoiseRequest:
-    """A request as the DiT engine receives it: the prompt's embeddings (and the negative's, for true CFG)."""
+    """A request as the DiT engine receives it: the prompt's embeddings (and the negative's, for true CFG), and for
+    an edit its input image's latents."""
 
     request_id: str
     params: DenoiseParams
     prompt: PromptEmbeds
     negative: PromptEmbeds | None = None
+    image: Latents | None = None
 
     @property
-    def batch_key(self) -> tuple[int, int, bool]:
-        return self.params.batch_key(self.negative is not None)
+    def batch_key(self) -> tuple:
+        image_size = (self.image.height, self.image.width) if self.image is not None else None
+        return self.params.batch_key(self.negative is not None, image_size)
 
 
 @dataclass(slots=True)
@@ -76,7 +81,9 @@ class DenoiseState:
     scheduler: FlowMatchEulerDiscreteScheduler  # private to this request: timesteps, sigmas
     prompt: torch.Tensor  # [num_tokens, hidden], on the stage's device
     negative: torch.Tensor | None  # [num_neg_tokens, hidden], set when true CFG runs
-    img_shape: tuple[int, int, int]  # (frames, latent rows, latent cols) after packing
+    img_shapes: list[tuple[int, int, int]]  # (frames, latent rows, latent cols) after packing; the edit image's 2nd
+    image: torch.Tensor | None = None  # edits: the input image's packed latents [1, image_tokens, in_channels]
+    image_size: tuple[int, int] | None = None  # edits: the input image's (height, width)
     step_index: int = 0
 
     @property
@@ -90,6 +97,10 @@ class DenoiseState:
     @property
     def do_true_cfg(self) -> bool:
         return self.negative is not None
+
+    @property
+    def batch_key(self) -> tuple:
+        return self.params.batch_key(self.do_true_cfg, self.image_size)
 
 
 @dataclass(slots=True)
@@ -143,7 +154,9 @@ class DenoiseRunner:
         output = DenoiseOutput(finished={}, errors={}, progress={})
         for request in batch.new_requests:
             try:
-                self.states[request.request_id] = self.prepare(request.params, request.prompt, request.negative)
+                self.states[request.request_id] = self.prepare(
+                    request.params, request.prompt, request.negative, request.image
+                )
             except Exception as err:  # a bad request fails alone
                 output.errors[request.request_id] = describe(err)
         states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
@@ -176,9 +189,13 @@ class DenoiseRunner:
                 del self.states[request_id]
 
     def prepare(
-        self, params: DenoiseParams, prompt: PromptEmbeds, negative: PromptEmbeds | None = None
+        self,
+        params: DenoiseParams,
+        prompt: PromptEmbeds,
+        negative: PromptEmbeds | None = None,
+        image: Latents | None = None,
     ) -> DenoiseState:
-        """Draws the request's noise and schedule."""
+        """Draws the request's noise and schedule; an edit's image latents come along."""
         if params.height % self.size_multiple or params.width % self.size_multiple:
             raise ValueError(f"height and width must be multiples of {self.size_multiple}")
         rows = 2 * (params.height // self.size_multiple)
@@ -197,13 +214,18 @@ class DenoiseRunner:
         )
         scheduler.set_begin_index(0)
         do_true_cfg = params.true_cfg_scale > 1 and negative is not None
+        img_shapes = [(1, rows // 2, cols // 2)]
+        if image is not None:
+            img_shapes.append((1, image.height // self.size_multiple, image.width // self.size_multiple))
         return DenoiseState(
             params=params,
             latents=latents,
             scheduler=scheduler,
             prompt=prompt.embeds.to(self.device, self.dtype),
             negative=negative.embeds.to(self.device, self.dtype) if do_true_cfg else None,
-            img_shape=(1, rows // 2, cols // 2),
+            img_shapes=img_shapes,
+            image=image.latents.to(self.device, self.dtype).unsqueeze(0) if image is not None else None,
+            image_size=(image.height, image.width) if image is not None else None,
         )
 
     @torch.no_grad()
@@ -214,11 +236,13 @@ class DenoiseRunner:
         forward as the conditional ones (one pass, text padded to the longest of both); ``fuse_cfg=False`` runs them
         as a second pass, as diffusers does, which the in-process reference pipeline uses to match diffusers exactly.
         """
-        assert states and len({s.params.batch_key(s.do_true_cfg) for s in states}) == 1, "mixed batch keys"
+        assert states and len({s.batch_key for s in states}) == 1, "mixed batch keys"
         cfg = states[0].do_true_cfg
         latents = torch.cat([s.latents for s in states])
+        if states[0].image is not None:  # edits: the image's tokens follow the noisy ones
+            latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)
         timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
-        img_shapes = [s.img_shape for s in states]
+        img_shapes = [s.img_shapes for s in states]
         prompts = [s.prompt for s in states]
         if not cfg:
             cond = self._forward(latents, timesteps, prompts, img_shapes)
@@ -232,10 +256,11 @@ class DenoiseRunner:
             cond = self._forward(latents, timesteps, prompts, img_shapes)
             uncond = self._forward(latents, timesteps, [s.negative for s in states], img_shapes)
 
+        num_tokens = states[0].latents.shape[1]  # the prediction for the edit image's tokens is dropped
         for row, state in enumerate(states):
-            pred = cond[row : row + 1]
+            pred = cond[row : row + 1, :num_tokens]
             if cfg:
-                pred = guide(pred, uncond[row : row + 1], state.params.true_cfg_scale)
+                pred = guide(pred, uncond[row : row + 1, :num_tokens], state.params.true_cfg_scale)
             t = state.scheduler.timesteps[state.step_index]
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
             state.step_index += 1
@@ -245,7 +270,7 @@ class DenoiseRunner:
         latents: torch.Tensor,  # [rows, image_seq_len, in_channels]
         timesteps: torch.Tensor,  # [rows]
         texts: list[torch.Tensor],  # rows x [num_tokens_i, hidden]
-        img_shapes: list[tuple[int, int, int]],
+        img_shapes: list[list[tuple[int, int, int]]],
     ) -> torch.Tensor:
         embeds, mask = pad_text(texts)
         return self.transformer(
@@ -253,7 +278,7 @@ class DenoiseRunner:
             timestep=timesteps.to(latents.dtype) / 1000,
             encoder_hidden_states=embeds,
             encoder_hidden_states_mask=mask,
-            img_shapes=[[shape] for shape in img_shapes],
+            img_shapes=img_shapes,
             return_dict=False,
         )[0]
 
