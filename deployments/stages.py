@@ -11,13 +11,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
 import ray
 
 from deployments import metrics
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
-from omni_ray.stages.decode import Decoded, DecodeRequest, OutputMode
+from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, Latents
 from omni_ray.stages.encode import EncodedPrompt, EncodeRequest
 
@@ -39,8 +40,9 @@ class _EngineShim:
         metrics.running_batch_size.set(batch, tags=self.tags)
         metrics.queue_length.set(held, tags=self.tags)
 
-    async def _run(self, request, what: str, timings: dict[str, float], on_progress=None):
-        """Runs one request in this engine: timed (into the result's ``timings``), counted, logged under its id."""
+    async def _run(self, request, what: str, timings: dict[str, float], on_progress=None, timing: str = ""):
+        """Runs one request in this engine: timed (into the result's ``timings``, as ``timing`` or the stage's
+        name), counted, logged under its id."""
         start = time.perf_counter()
         try:
             result = await self.engine.generate(request, on_progress)
@@ -51,7 +53,7 @@ class _EngineShim:
         seconds = time.perf_counter() - start
         metrics.stage_request_latency.observe(seconds, tags=self.tags)
         logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
-        result.timings = {**timings, self.stage: seconds}
+        result.timings = {**timings, timing or self.stage: seconds}
         return result
 
     def check_health(self) -> None:
@@ -77,14 +79,16 @@ class _EngineShim:
 
 
 class Encoder(_EngineShim):
-    """Qwen2.5-VL under vLLM's engine core: prompts to prompt embeddings."""
+    """Qwen2.5-VL under vLLM's engine core: prompts (and an edit's input image) to prompt embeddings."""
 
     stage = "encoder"
 
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_encoder_core(config))
 
-    async def encode(self, request: EncodeRequest) -> EncodedPrompt:
+    async def encode(self, request: EncodeRequest, image: np.ndarray | None = None) -> EncodedPrompt:
+        """``image`` comes apart from the request so that Ray resolves the coordinator's reference to it."""
+        request.image = image
         return await self._run(request, "encoded", {})
 
 
@@ -97,13 +101,20 @@ class DiT(_EngineShim):
         super().__init__(lambda: build_dit_core(config))
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt, on_progress=None
+        self,
+        request_id: str,
+        params: DenoiseParams,
+        encoded: EncodedPrompt,
+        image: Latents | None = None,
+        on_progress=None,
     ) -> Latents:
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative)
-        return await self._run(request, f"denoised ({params.num_inference_steps} steps)", encoded.timings, on_progress)
+        """Denoises one image; an edit brings its input image's latents (the VAE's ``encode``)."""
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image)
+        timings = {**encoded.timings, **(image.timings if image is not None else {})}
+        return await self._run(request, f"denoised ({params.num_inference_steps} steps)", timings, on_progress)
 
     async def denoise_stream(
-        self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt
+        self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt, image: Latents | None = None
     ) -> AsyncIterator[dict]:
         """Streams ``{"step", "total"}`` after every denoising step, then ``{"latents": ObjectRef}``.
 
@@ -112,7 +123,7 @@ class DiT(_EngineShim):
         """
         progress: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         result = asyncio.ensure_future(
-            self.denoise(request_id, params, encoded, lambda done, total: progress.put_nowait((done, total)))
+            self.denoise(request_id, params, encoded, image, lambda done, total: progress.put_nowait((done, total)))
         )
         try:
             while not result.done() or not progress.empty():
@@ -133,7 +144,7 @@ class DiT(_EngineShim):
 
 
 class VAE(_EngineShim):
-    """The VAE under the batched decode engine: latents to pixels."""
+    """The VAE under the batched engine: latents to pixels, and an edit's input image to latents."""
 
     stage = "vae"
 
@@ -142,3 +153,7 @@ class VAE(_EngineShim):
 
     async def decode(self, request_id: str, latents: Latents, output: OutputMode = "pixels") -> Decoded:
         return await self._run(DecodeRequest(request_id, latents, output), "decoded", latents.timings)
+
+    async def encode(self, request_id: str, image: np.ndarray) -> Latents:
+        """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with."""
+        return await self._run(ImageEncodeRequest(request_id, image), "encoded image", {}, timing="vae_encode")

@@ -4,6 +4,7 @@
 
     images = Client.http("http://127.0.0.1:8000").generate("a red cat", size="256x256", seed=0)
     images = Client.ray(address="auto").generate("a red cat", n=4)   # after the app is deployed
+    images = Client.http().edit("cat.png", "make the cat blue")      # an app serving an edit preset
 
 Both return PIL images and raise ``RequestError`` (the request was invalid) or ``EngineError`` (a stage failed).
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import pathlib
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,28 +30,33 @@ class Client:
     """Sends OpenAI-style image requests to the app and decodes the images."""
 
     def __init__(self, send, stream):
-        self._send = send  # body dict -> response dict
-        self._stream = stream  # body dict -> iterator of event dicts
+        self._send = send  # (body dict, edit's image file or None) -> response dict
+        self._stream = stream  # (body dict, image or None) -> iterator of event dicts
 
     @classmethod
     def http(cls, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 600.0) -> Client:
         """A client of the app's HTTP API."""
-        url = base_url.rstrip("/") + "/v1/images/generations"
+        base_url = base_url.rstrip("/")
 
-        def post(body: dict):
-            data = json.dumps(body).encode()
-            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        def post(body: dict, image: bytes | None):
+            if image is None:
+                url, data = base_url + "/v1/images/generations", json.dumps(body).encode()
+                content_type = "application/json"
+            else:
+                url = base_url + "/v1/images/edits"
+                data, content_type = _multipart(body, image)
+            request = urllib.request.Request(url, data=data, headers={"Content-Type": content_type})
             try:
                 return urllib.request.urlopen(request, timeout=timeout_s)
             except urllib.error.HTTPError as err:
                 raise _error_from_body(err.code, err.read()) from None
 
-        def send(body: dict) -> dict:
-            with post(body) as response:
+        def send(body: dict, image: bytes | None) -> dict:
+            with post(body, image) as response:
                 return json.loads(response.read())
 
-        def stream(body: dict) -> Iterator[dict]:
-            with post({**body, "stream": True}) as response:
+        def stream(body: dict, image: bytes | None) -> Iterator[dict]:
+            with post({**body, "stream": True}, image) as response:
                 for line in response:
                     if line.startswith(b"data: "):
                         yield json.loads(line[len(b"data: "):])
@@ -67,15 +75,15 @@ class Client:
             ray.init(address=address, log_to_driver=False)
         handle = serve.get_app_handle(app_name)
 
-        def send(body: dict) -> dict:
+        def send(body: dict, image: bytes | None) -> dict:
             try:
-                return handle.generate.remote(body).result()
+                return handle.generate.remote(body, image=image).result()
             except RayTaskError as err:  # the coordinator's own error, without Ray's traceback text
                 raise err.cause from None
 
-        def stream(body: dict) -> Iterator[dict]:
+        def stream(body: dict, image: bytes | None) -> Iterator[dict]:
             try:
-                yield from handle.options(stream=True).generate_stream.remote(body)
+                yield from handle.options(stream=True).generate_stream.remote(body, image=image)
             except RayTaskError as err:
                 raise err.cause from None
 
@@ -85,22 +93,52 @@ class Client:
         """PIL images for ``prompt``; ``options`` are the API's fields (``n``, ``size``, ``seed``, ``negative_prompt``,
         ``num_inference_steps``, ``true_cfg_scale``, ``output_format``, ...). ``progress`` streams the request and
         shows a progress bar of its denoising steps."""
+        return self._images(prompt, None, progress, options)
+
+    def edit(self, image, prompt: str, progress: bool = False, **options: Any) -> list:
+        """PIL images of ``image`` (a path, the file's bytes, or a PIL image) edited as ``prompt`` says, from an app
+        serving an edit preset; ``options`` and ``progress`` as for ``generate``."""
+        if isinstance(image, (str, pathlib.Path)):
+            image = pathlib.Path(image).read_bytes()
+        elif not isinstance(image, bytes):  # a PIL image
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            image = buffer.getvalue()
+        return self._images(prompt, image, progress, options)
+
+    def _images(self, prompt: str, image: bytes | None, progress: bool, options: dict) -> list:
         body = {"prompt": prompt, **{k: v for k, v in options.items() if v is not None}}
         if not progress:
-            return [_image(item["b64_json"]) for item in self._send(body)["data"]]
+            return [_image(item["b64_json"]) for item in self._send(body, image)["data"]]
         from tqdm import tqdm
 
         images = {}
         with tqdm(desc="denoising", unit="step") as bar:
-            for event in self._stream(body):
-                if event["type"] == "image_generation.progress":
+            for event in self._stream(body, image):
+                kind = event["type"].rsplit(".", 1)[-1]  # image_generation.* or image_edit.*
+                if kind == "progress":
                     bar.total = event["total_steps"] * body.get("n", 1)
                     bar.update(1)
-                elif event["type"] == "image_generation.completed":
+                elif kind == "completed":
                     images[event["index"]] = _image(event["b64_json"])
-                elif event["type"] == "error":
+                elif kind == "error":
                     raise _error_from_body(500, json.dumps(event).encode())
         return [images[index] for index in sorted(images)]
+
+
+def _multipart(fields: dict, image: bytes) -> tuple[bytes, str]:
+    """``fields`` and the ``image`` file as a multipart/form-data body, as OpenAI's images API takes edits."""
+    boundary = uuid.uuid4().hex
+    parts = []
+    for name, value in fields.items():
+        text = json.dumps(value) if isinstance(value, bool) else str(value)
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{text}\r\n'.encode())
+    parts.append(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="image"\r\n'
+        f"Content-Type: application/octet-stream\r\n\r\n".encode() + image + b"\r\n"
+    )
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
 def _image(b64: str):

@@ -88,6 +88,11 @@ class GenerationPlan:
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
 
     @property
+    def event_prefix(self) -> str:
+        """What OpenAI's streamed events of this kind of request are called."""
+        return "image_generation" if self.image is None else "image_edit"
+
+    @property
     def negative_prompt(self) -> str | None:
         """The negative prompt when true CFG runs, else None (diffusers ignores it then too)."""
         use_cfg = self.request.true_cfg_scale > 1 and self.request.negative_prompt is not None
@@ -234,15 +239,17 @@ def encode_image(pixels: np.ndarray, output_format: OutputFormat, compression: i
     return buffer.getvalue()
 
 
-def progress_event(index: int, step: int, total_steps: int) -> dict:
+def progress_event(plan: GenerationPlan, index: int, step: int, total_steps: int) -> dict:
     """A streamed event after one denoising step of image ``index``."""
-    return {"type": "image_generation.progress", "index": index, "step": step, "total_steps": total_steps}
+    return {"type": f"{plan.event_prefix}.progress", "index": index, "step": step, "total_steps": total_steps}
 
 
-def completed_event(index: int, data: bytes, request: ImageGenerationRequest, height: int, width: int) -> dict:
-    """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed``."""
+def completed_event(plan: GenerationPlan, index: int, data: bytes) -> dict:
+    """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed`` (and
+    ``image_edit.completed`` for edits)."""
+    request, height, width = plan.request, plan.height, plan.width
     return {
-        "type": "image_generation.completed",
+        "type": f"{plan.event_prefix}.completed",
         "index": index,
         "b64_json": base64.b64encode(data).decode(),
         "created_at": int(time.time()),

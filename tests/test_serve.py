@@ -143,6 +143,9 @@ def test_invalid_request_is_a_400_naming_the_field(served):
     assert response["error"]["param"] == "size" and response["error"]["type"] == "invalid_request_error"
     status, response = post(served["base"] + "/v1/images/generations", b"not json")
     assert status == 400 and "JSON" in response["error"]["message"]
+    status, response = post(served["base"] + "/v1/images/edits", {"prompt": "a cat"})
+    assert status == 400 and response["error"]["param"] == "image"
+    assert "does not edit images; use /v1/images/generations" in response["error"]["message"]
 
 
 # --- reliability: bad input, cancellation, load, faults ---------------------------------------------------------
@@ -351,8 +354,8 @@ def test_prometheus_metrics_per_stage(served):
     assert delta(samples, "ray_omni_images_generated_total", stage="coordinator") == 4
     assert delta(samples, "ray_omni_request_latency_seconds_count", stage="coordinator") == 3
     assert delta(samples, "ray_omni_errors_total", stage="coordinator", type="RequestError") == 1
-    for stage in ("encoder", "dit", "vae"):
-        assert delta(samples, "ray_omni_stage_request_latency_seconds_count", stage=stage) == 4, stage
+    for stage, calls in (("encoder", 3), ("dit", 4), ("vae", 4)):  # a request's prompt is encoded once
+        assert delta(samples, "ray_omni_stage_request_latency_seconds_count", stage=stage) == calls, stage
         assert delta(samples, "ray_omni_step_latency_seconds_count", stage=stage) >= 1, stage
         assert ("ray_omni_queue_length" in {n for n, _ in samples}), stage
     # The DiT ran 3 steps per request: at least 3 steps, and the batch gauge is within the preset's limit.

@@ -1,0 +1,151 @@
+"""Image editing end to end: `serve run config.edit.yaml` on a local Ray cluster, then the openai client's
+images.edit, multipart HTTP and the Python client, with pixels checked against diffusers' QwenImageEditPipeline."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import requests
+
+from conftest import REPO
+from deployments.local import LocalServe
+from edit_reference import load_reference, reference_edit, source_image
+from omni_ray.config import load_config
+from test_serve import png, stage_stats, within_one_level
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.fixture(scope="module")
+def served(edit_dir):
+    with LocalServe(REPO / "config.edit.yaml", model=str(edit_dir)) as local:
+        yield {"base": local.base_url, "address": local.address}
+
+
+@pytest.fixture(scope="module")
+def reference(edit_dir):
+    return load_reference(edit_dir)
+
+
+@pytest.fixture(scope="module")
+def image_area(edit_dir):
+    return load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir)).edit.image_area
+
+
+def file_bytes(image, format="PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format)
+    return buffer.getvalue()
+
+
+def post_edit(served, fields: dict, files: list | None, **kwargs) -> requests.Response:
+    return requests.post(served["base"] + "/v1/images/edits", data=fields, files=files, timeout=300, **kwargs)
+
+
+def test_openai_client_edits_an_image(served, reference, image_area):
+    import openai
+
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    source = source_image(180, 100, seed=4)
+    result = client.images.edit(
+        model="qwen-image-edit-tiny", image=("photo.png", file_bytes(source), "image/png"),
+        prompt="make the disc blue", n=2, response_format="b64_json",
+        extra_body={"seed": 21, "num_inference_steps": 3, "negative_prompt": "blurry"},
+    )
+    assert result.size == "160x96" and len(result.data) == 2  # the input's working size: 128x128 pixels at 9:5
+    for i, item in enumerate(result.data):
+        expected = reference_edit(reference, image_area, source, seed=21 + i, prompt="make the disc blue",
+                                  negative_prompt="blurry", true_cfg_scale=4.0, num_inference_steps=3)
+        assert within_one_level(png(item.b64_json), expected)
+    sized = client.images.edit(image=("photo.jpg", file_bytes(source, "JPEG"), "image/jpeg"), prompt="make it red",
+                               size="64x128", extra_body={"num_inference_steps": 2})
+    assert png(sized.data[0].b64_json).shape == (128, 64, 3)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(image=("photo.gif", file_bytes(source, "GIF"), "image/gif"), prompt="make it red")
+    assert info.value.param == "image" and "GIF" in info.value.message
+
+
+def test_edit_streams_progress_then_the_image_and_the_python_client_edits(served, reference, image_area):
+    import ray
+
+    from omni_ray.client import Client
+
+    source = source_image(120, 240, seed=5)
+    fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "3", "stream": "true"}
+    with post_edit(served, fields, [("image", ("in.png", file_bytes(source), "image/png"))], stream=True) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len(b"data: "):]) for line in response.iter_lines() if line.startswith(b"data: ")]
+    assert [event["type"] for event in events] == ["image_edit.progress"] * 3 + ["image_edit.completed"]
+    assert [event["step"] for event in events[:3]] == [1, 2, 3]
+    expected = reference_edit(reference, image_area, source, seed=3, prompt="make it red", num_inference_steps=3)
+    streamed = png(events[-1]["b64_json"])
+    assert within_one_level(streamed, expected)
+
+    via_http = Client.http(served["base"]).edit(source, "make it red", seed=3, num_inference_steps=3)
+    try:
+        client = Client.ray(address=served["address"])
+        via_ray = client.edit(file_bytes(source), "make it red", seed=3, num_inference_steps=3, progress=True)
+    finally:
+        ray.shutdown()
+    for images in (via_http, via_ray):
+        assert np.asarray(images[0]).tolist() == streamed.tolist()  # same request, same pixels, however asked
+
+
+def multipart_without_image() -> bytes:
+    return b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nmake it red\r\n--b--\r\n"
+
+
+PHOTO = file_bytes(source_image(180, 100, seed=0))
+BAD_EDITS = {
+    # name: (fields, files, status, param)
+    "no image": ({"prompt": "make it red"}, None, 400, "image"),
+    "empty file": ({"prompt": "make it red"}, [("image", ("a.png", b"", "image/png"))], 400, "image"),
+    "not an image": ({"prompt": "make it red"}, [("image", ("a.png", b"hello" * 100, "image/png"))], 400, "image"),
+    "truncated": ({"prompt": "make it red"}, [("image", ("a.png", PHOTO[: len(PHOTO) // 2], "image/png"))], 400,
+                  "image"),
+    "GIF": ({"prompt": "make it red"}, [("image", ("a.gif", file_bytes(source_image(64, 64, 0), "GIF"), "image/gif"))],
+            400, "image"),
+    "too long and thin": ({"prompt": "make it red"}, [("image", ("a.png", file_bytes(source_image(2000, 20, 0)),
+                                                                 "image/png"))], 400, "image"),
+    "two images": ({"prompt": "make it red"}, [("image[]", ("a.png", PHOTO, "image/png")),
+                                               ("image[]", ("b.png", PHOTO, "image/png"))], 400, "image"),
+    "image as text": ({"prompt": "make it red", "image": "photo.png"}, [("x", ("x", b"x"))], 400, "image"),
+    "mask": ({"prompt": "make it red"}, [("image", ("a.png", PHOTO, "image/png")),
+                                         ("mask", ("m.png", PHOTO, "image/png"))], 400, "mask"),
+    "no prompt": ({}, [("image", ("a.png", PHOTO, "image/png"))], 400, "prompt"),
+    "blank prompt": ({"prompt": " "}, [("image", ("a.png", PHOTO, "image/png"))], 400, "prompt"),
+    "bad n": ({"prompt": "make it red", "n": "two"}, [("image", ("a.png", PHOTO, "image/png"))], 400, "n"),
+    "n too large": ({"prompt": "make it red", "n": "11"}, [("image", ("a.png", PHOTO, "image/png"))], 400, "n"),
+    "bad size": ({"prompt": "make it red", "size": "65x64"}, [("image", ("a.png", PHOTO, "image/png"))], 400, "size"),
+    "bad steps": ({"prompt": "make it red", "num_inference_steps": "0"}, [("image", ("a.png", PHOTO, "image/png"))],
+                  400, "num_inference_steps"),
+    "unknown field": ({"prompt": "make it red", "colour": "red"}, [("image", ("a.png", PHOTO, "image/png"))], 400,
+                      "colour"),
+    "repeated field": ({"prompt": ["make it red", "make it blue"]}, [("image", ("a.png", PHOTO, "image/png"))], 400,
+                       "prompt"),
+    "long prompt": ({"prompt": "word " * 1100}, [("image", ("a.png", PHOTO, "image/png"))], 400, "prompt"),
+    "oversized": ({"prompt": "make it red"}, [("image", ("a.png", b"\x89PNG" + bytes(21 << 20), "image/png"))], 413,
+                  "image"),
+}
+
+
+def test_bad_edits_get_a_4xx_naming_the_field_and_never_reach_a_stage(served):
+    before = stage_stats(served)
+    for name, (fields, files, status, param) in BAD_EDITS.items():
+        response = post_edit(served, fields, files)
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (status, param), (name, error)
+        assert error["message"], name
+    not_multipart = requests.post(served["base"] + "/v1/images/edits", json={"prompt": "make it red"}, timeout=60)
+    assert not_multipart.status_code == 400 and "multipart/form-data" in not_multipart.json()["error"]["message"]
+    headers = {"Content-Type": "multipart/form-data; boundary=b"}
+    no_image = requests.post(served["base"] + "/v1/images/edits", data=multipart_without_image(), headers=headers)
+    assert no_image.status_code == 400 and no_image.json()["error"]["param"] == "image"
+    broken = requests.post(served["base"] + "/v1/images/edits", data=b"--b\r\ngarbage", headers=headers, timeout=60)
+    assert broken.status_code == 400, broken.text
+    generation = requests.post(served["base"] + "/v1/images/generations", json={"prompt": "a cat"}, timeout=60)
+    assert generation.status_code == 400 and "/v1/images/edits" in generation.json()["error"]["message"]
+    after = stage_stats(served)
+    assert {name: stats["requests"] for name, stats in after.items()} == \
+        {name: stats["requests"] for name, stats in before.items()}
