@@ -1,3 +1,4 @@
+import json
 
 import pytest
 import yaml
@@ -89,6 +90,15 @@ def test_tiny_preset_builds_its_checkpoint_when_missing(tiny_dir, tmp_path):
     assert (tmp_path / "built" / "model_index.json").is_file() and config.model == str(tmp_path / "built")
 
 
+def test_tiny_edit_preset_builds_an_edit_checkpoint_when_missing(tmp_path):
+    data = yaml.safe_load((PRESETS / "qwen_image_edit_tiny.yaml").read_text())
+    data["model"] = str(tmp_path / "built")
+    config = parse_config(data)
+    index = json.loads((tmp_path / "built" / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPipeline" and (tmp_path / "built" / "processor").is_dir()
+    assert config.edit.image_area == 128 * 128
+
+
 def test_directory_without_checkpoint_is_rejected(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="no model_index.json"):
         load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tmp_path))
@@ -116,7 +126,8 @@ def test_every_field_is_described():
 
 def test_every_preset_validates():
     presets = sorted(PRESETS.glob("*.yaml"))
-    assert {p.name for p in presets} >= {"qwen_image.yaml", "qwen_image_tiny.yaml"}
+    assert {p.name for p in presets} >= {"qwen_image.yaml", "qwen_image_tiny.yaml", "qwen_image_edit.yaml",
+                                         "qwen_image_edit_tiny.yaml"}
     for path in presets:
         data = yaml.safe_load(path.read_text())
         data["model"] = "Qwen/Qwen-Image"  # the checkpoint may not be built here; the rest must validate
