@@ -53,6 +53,7 @@ from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE, EncodeRequest, PromptTok
 
 logger = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 1 << 20
+MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each may take seconds and 100s of MB
 
 api = FastAPI(title="omni-ray", description="Qwen-Image behind OpenAI's images API.")
 
@@ -128,18 +129,22 @@ async def _edit_form(request: Request, limit: int) -> tuple[dict[str, str], byte
     except Exception as err:  # Starlette's parser raises HTTPException or MultiPartException
         raise RequestError(f"malformed multipart body: {getattr(err, 'detail', err)}", param=None) from None
     fields, images = {}, []
-    for name, value in form.multi_items():
-        if name in IMAGE_FIELDS and isinstance(value, UploadFile):
-            images.append(await value.read())
-        elif name == "mask":
-            raise RequestError("mask: masks are not supported; the prompt says what to change", param="mask")
-        elif name in IMAGE_FIELDS or isinstance(value, UploadFile):
-            param = "image" if name in IMAGE_FIELDS else name
-            raise RequestError(f"{param}: expected {'a file' if param == 'image' else 'a text field'}", param=param)
-        elif name in fields:
-            raise RequestError(f"{name}: given more than once", param=name)
-        else:
-            fields[name] = value
+    try:
+        for name, value in form.multi_items():
+            if name in IMAGE_FIELDS and isinstance(value, UploadFile):
+                images.append(await value.read())
+            elif name == "mask":
+                raise RequestError("mask: masks are not supported; the prompt says what to change", param="mask")
+            elif name in IMAGE_FIELDS or isinstance(value, UploadFile):
+                param = "image" if name in IMAGE_FIELDS else name
+                raise RequestError(f"{param}: expected {'a file' if param == 'image' else 'a text field'}",
+                                   param=param)
+            elif name in fields:
+                raise RequestError(f"{name}: given more than once", param=name)
+            else:
+                fields[name] = value
+    finally:
+        await form.close()  # uploads past 1 MiB spill to temporary files
     if len(images) > 1:
         raise RequestError(f"image: one input image per request, got {len(images)}", param="image")
     return fields, images[0] if images else None
@@ -154,6 +159,7 @@ class Coordinator:
         self.encoder, self.dit, self.vae = encoder, dit, vae
         self.config = config
         self.tokenizer = PromptTokenizer(config.model, EDIT if config.edit is not None else TEXT_TO_IMAGE)
+        self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
 
     @api.post("/v1/images/generations")
     async def generations(self, request: Request) -> Response:
@@ -165,7 +171,7 @@ class Coordinator:
                 payload = json.loads(body)
             except ValueError:
                 raise RequestError("request body is not valid JSON", param=None) from None
-        return await self.serve(self.plan(payload), request)
+        return await self.serve(await self.plan(payload), request)
 
     @api.post("/v1/images/edits")
     async def edits(self, request: Request) -> Response:
@@ -173,7 +179,7 @@ class Coordinator:
             if self.config.edit is None:
                 raise _wrong_route(self.config)
             fields, image = await _edit_form(request, self.config.edit.max_image_bytes + MAX_BODY_BYTES)
-        return await self.serve(self.plan(fields, image), request)
+        return await self.serve(await self.plan(fields, image, form=True), request)
 
     async def serve(self, plan: GenerationPlan, request: Request) -> Response:
         """The response to a planned HTTP request: JSON, or server-sent events when it streams."""
@@ -197,7 +203,7 @@ class Coordinator:
     ) -> dict:
         """The images response for an OpenAI-style body (and for an edit the input image file): what
         DeploymentHandle callers get (HTTP gets the same)."""
-        return await self.respond(self.plan(body, image), request_id)
+        return await self.respond(await self.plan(body, image), request_id)
 
     async def images(
         self,
@@ -207,20 +213,23 @@ class Coordinator:
         image: bytes | None = None,
     ) -> list[Decoded]:
         """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
-        return await self.run(self.plan(body, image), request_id, output)
+        return await self.run(await self.plan(body, image), request_id, output)
 
-    def plan(self, body: dict | ImageGenerationRequest, image: bytes | None = None) -> GenerationPlan:
-        """Validates before any stage sees the request. An edit's ``body`` may be its form fields (strings)."""
-        try:
+    async def plan(
+        self, body: dict | ImageGenerationRequest, image: bytes | None = None, form: bool = False
+    ) -> GenerationPlan:
+        """Validates before any stage sees the request; an edit's image is decoded and resized off the event loop,
+        a few at a time. With ``form``, ``body`` is an edit's form fields (strings)."""
+        with _counting_errors():
             if self.config.edit is None:
+                if image is not None:
+                    raise _wrong_route(self.config)
                 return plan_request(body, self.config, self.tokenizer.num_tokens)
-            if isinstance(body, dict):
+            if form:
                 body = parse_request(body, form=True)
-            pixels = load_input_image(image, self.config)
+            async with self.image_slots:
+                pixels = await asyncio.to_thread(load_input_image, image, self.config)
             return plan_request(body, self.config, self.tokenizer.num_tokens, pixels)
-        except OmniRayError as err:
-            _count_error(err)
-            raise
 
     async def respond(self, plan: GenerationPlan, request_id: str | None) -> dict:
         results = await self.run(plan, request_id)
@@ -254,7 +263,7 @@ class Coordinator:
         self, body: dict, request_id: str | None = None, image: bytes | None = None
     ) -> AsyncIterator[dict]:
         """The streamed events for DeploymentHandle callers (``handle.options(stream=True)``)."""
-        async for event in self.events(self.plan(body, image), request_id or uuid.uuid4().hex):
+        async for event in self.events(await self.plan(body, image), request_id or uuid.uuid4().hex):
             yield event
 
     async def events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:

@@ -24,7 +24,7 @@ from omni_ray.errors import PayloadTooLargeError, RequestError
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_SEED = 2**63 - 1
-INPUT_FORMATS = ("PNG", "JPEG", "WEBP")  # what /v1/images/edits takes, as OpenAI's does
+INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # what /v1/images/edits takes, as OpenAI's does (MPO: camera JPEGs)
 MAX_INPUT_PIXELS = 8192 * 8192  # an input image's pixels before resizing; refused past it (decompression bombs)
 
 
@@ -193,10 +193,12 @@ def load_input_image(data: bytes | None, config: PipelineConfig) -> np.ndarray:
         )
     try:
         image = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:
-        raise RequestError("image: not a readable image file; send PNG, JPEG or WebP", param="image") from None
     except Image.DecompressionBombError:
         raise RequestError(f"image: more than {MAX_INPUT_PIXELS} pixels", param="image") from None
+    except UnidentifiedImageError:
+        raise RequestError("image: not a readable image file; send PNG, JPEG or WebP", param="image") from None
+    except Exception as err:  # a header Pillow cannot read: truncated, oversized chunks, ...
+        raise RequestError(f"image: the file is corrupt or truncated ({err})", param="image") from None
     if image.format not in INPUT_FORMATS:
         raise RequestError(f"image: {image.format} files are not supported; send PNG, JPEG or WebP", param="image")
     if image.width * image.height > MAX_INPUT_PIXELS:

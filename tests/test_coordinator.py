@@ -174,3 +174,19 @@ def test_a_full_stage_queue_is_a_503_with_retry_after():
     response = asyncio.run(_omni_ray_error(None, info.value))
     assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
     assert json.loads(response.body)["error"]["type"] == "overloaded_error"
+
+
+def test_an_image_sent_through_the_handle_to_a_text_to_image_app_is_refused(tiny_dir):
+    from omni_ray.config import load_config
+    from omni_ray.errors import RequestError
+    from omni_ray.stages.encode import PromptTokenizer
+
+    from conftest import REPO
+
+    config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
+    fake = SimpleNamespace(config=config, tokenizer=PromptTokenizer(config.model))
+    with pytest.raises(RequestError, match="does not edit images") as info:
+        asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}, image=b"\x89PNG..."))
+    assert info.value.param == "image"
+    plan = asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}))
+    assert plan.image is None and plan.request.prompt == "a cat"

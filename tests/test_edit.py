@@ -170,16 +170,26 @@ def test_an_image_is_resized_to_its_working_size(config):
     assert working_size(1920, 1080, 1024 * 1024) == (768, 1376)  # diffusers' calculate_dimensions for 16:9
 
 
-def truncated_png() -> bytes:
-    data = png(source_image(180, 100, 0))
-    return data[: len(data) // 2]
+def truncated(format: str, keep: int | None = None) -> bytes:
+    data = png(source_image(180, 100, 0), format)
+    return data[: keep or len(data) // 2]
+
+
+def test_camera_jpegs_with_several_pictures_are_taken(config):
+    """Phones write MPO (a JPEG with a second picture, such as a gain map): the first picture is the photo."""
+    buffer = io.BytesIO()
+    source_image(180, 100, 0).save(buffer, format="MPO", save_all=True, append_images=[source_image(180, 100, 1)])
+    assert Image.open(io.BytesIO(buffer.getvalue())).format == "MPO"
+    assert load_input_image(buffer.getvalue(), config).shape == (96, 160, 3)
 
 
 BAD_IMAGES = {
     "missing": (None, RequestError, "required"),
     "empty": (b"", RequestError, "required"),
     "not an image": (b"%PDF-1.4 definitely not pixels" * 10, RequestError, "not a readable image"),
-    "truncated": (truncated_png(), RequestError, "corrupt or truncated"),
+    "truncated PNG": (truncated("PNG"), RequestError, "corrupt or truncated"),
+    "JPEG cut in its header": (truncated("JPEG", 200), RequestError, "corrupt or truncated"),
+    "WebP cut in its header": (truncated("WEBP", 40), RequestError, "corrupt or truncated"),
     "GIF": (png(source_image(64, 64, 0), "GIF"), RequestError, "GIF files are not supported"),
     "extreme aspect": (png(Image.new("RGB", (4000, 10))), RequestError, "working width 2560 is outside 32..512"),
 }

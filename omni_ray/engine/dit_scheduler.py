@@ -14,7 +14,7 @@ from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
 from omni_ray.stages.denoise import DenoiseBatch, DenoiseOutput, DenoiseRequest
 
-BatchKey = tuple  # DenoiseRequest.batch_key: size, CFG mode, edit image size
+BatchKey = tuple[int, int, bool, tuple[int, int] | None]  # height, width, true CFG, edit image size
 
 
 class DiTScheduler(Scheduler):

@@ -41,7 +41,7 @@ class ImageEncodeRequest:
     """An edit's input image, to become the latents the DiT denoises beside."""
 
     request_id: str
-    image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 16)
+    image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)
 
     @property
     def batch_key(self) -> tuple[str, int, int]:

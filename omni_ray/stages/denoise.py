@@ -32,7 +32,9 @@ class DenoiseParams:
     seed: int
     true_cfg_scale: float = 1.0  # CFG runs when > 1 and a negative prompt is given
 
-    def batch_key(self, has_negative: bool, image_size: tuple[int, int] | None = None) -> tuple:
+    def batch_key(
+        self, has_negative: bool, image_size: tuple[int, int] | None = None
+    ) -> tuple[int, int, bool, tuple[int, int] | None]:
         """Requests whose keys match can share a forward pass: same size, CFG mode and edit image size."""
         return (self.height, self.width, self.true_cfg_scale > 1 and has_negative, image_size)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -234,18 +233,25 @@ def vision_model_dir(model: str) -> str:
     """One directory holding ``text_encoder/`` and ``processor/`` side by side, as vLLM loads a multimodal model.
 
     diffusers keeps Qwen2.5-VL's weights and its processor in two folders; vLLM reads both from its model path. The
-    directory holds links to both folders' files, under the system's temp directory, named after the checkpoint.
+    directory, in the user's cache and named after the checkpoint's path, holds links to both folders' files; each
+    link is checked and replaced atomically when it points elsewhere, so replicas starting together agree.
     """
     sources = [pathlib.Path(local_subfolder(model, sub)).resolve() for sub in ("text_encoder", "processor")]
     digest = hashlib.sha256("\0".join(map(str, sources)).encode()).hexdigest()[:16]
-    merged = pathlib.Path(tempfile.gettempdir()) / f"omni-ray-vision-{digest}"
-    merged.mkdir(exist_ok=True)
-    for source in sources:
-        for file in source.iterdir():
-            try:
-                (merged / file.name).symlink_to(file)
-            except FileExistsError:  # linked before, or by a replica starting beside this one
-                pass
+    merged = pathlib.Path("~/.cache/omni-ray/vision").expanduser() / digest
+    merged.mkdir(parents=True, exist_ok=True)
+    wanted = {file.name: file for source in sources for file in source.iterdir()}
+    for entry in merged.iterdir():
+        if entry.name not in wanted and not entry.name.startswith("."):  # left from an older layout
+            entry.unlink(missing_ok=True)
+    for name, target in wanted.items():
+        link = merged / name
+        if link.is_symlink() and os.readlink(link) == str(target):
+            continue
+        staged = merged / f".{name}.{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(target)
+        os.replace(staged, link)
     return str(merged)
 
 
@@ -288,7 +294,6 @@ class VllmEncoder:
                 "limit_mm_per_prompt": {"image": 1, "video": 0},
                 "mm_processor_kwargs": {"max_pixels": max_image_pixels},
                 "mm_processor_cache_gb": 0,
-                "mm_device_do_normalize": False,
             }
         else:
             modality = {"model": local_subfolder(model, "text_encoder"), "language_model_only": True}
