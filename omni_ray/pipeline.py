@@ -2,7 +2,8 @@
 
 It batches as diffusers' ``QwenImagePipeline`` batches (all prompts together, the negative prompts in a second
 encoder pass, one decode), which makes it the reference the served pipeline is checked against, and the quickest
-way to see an image: ``python -m omni_ray.pipeline "a red cat" --out cat.png``.
+way to see an image: ``python -m omni_ray.pipeline "a red cat" --out cat.png`` (an edit:
+``python -m omni_ray.pipeline "make it blue" --image cat.png --stage-config stage_configs/qwen_image_edit_tiny.yaml``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from omni_ray.config import PipelineConfig, load_config
+from omni_ray.protocol import load_input_image
 from omni_ray.stages.decode import VaeRunner
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRunner
 from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE, PromptEncoder
@@ -81,15 +83,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--stage-config", default=str(DEFAULT_PRESET), help="preset YAML (default: the tiny one)")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id overriding the preset's")
-    parser.add_argument("--size", default="256x256", help="WxH")
+    parser.add_argument("--image", default=None, help="the image to edit (an edit preset)")
+    parser.add_argument("--size", default=None, help="WxH (default 256x256, or the edit image's working size)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--true-cfg-scale", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="omni-ray.png")
     args = parser.parse_args(argv)
-    width, height = (int(side) for side in args.size.lower().split("x"))
+    config = load_config(args.stage_config, model=args.model)
+    source = None
+    if args.image is not None:
+        source = load_input_image(pathlib.Path(args.image).read_bytes(), config)
+    default = "x".join(map(str, source.shape[1::-1])) if source is not None else "256x256"
+    width, height = (int(side) for side in (args.size or default).lower().split("x"))
 
-    pipeline = LocalPipeline(load_config(args.stage_config, model=args.model))
+    pipeline = LocalPipeline(config)
     image = pipeline.generate(
         [args.prompt],
         seeds=[args.seed],
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         num_inference_steps=args.steps,
         negative_prompts=[args.negative_prompt] if args.negative_prompt is not None else None,
         true_cfg_scale=args.true_cfg_scale,
+        image=source,
     )[0]
     Image.fromarray(image).save(args.out)
     print(f"wrote {args.out} ({width}x{height}, {args.steps} steps, seed {args.seed})")

@@ -240,3 +240,12 @@ def test_an_edit_preset_needs_an_edit_checkpoint(tiny_dir, edit_dir):
         load_config(PRESET, model=str(tiny_dir))
     with pytest.raises(ConfigError, match="is a QwenImageEditPipeline checkpoint, but this preset generates"):
         load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(edit_dir))
+
+
+def test_the_in_process_pipeline_edits_from_the_command_line(config, edit_dir, tmp_path):
+    from omni_ray.pipeline import main
+
+    source_image(300, 200, 0).save(tmp_path / "in.png")
+    main(["make it blue", "--image", str(tmp_path / "in.png"), "--stage-config", str(PRESET), "--model",
+          str(edit_dir), "--steps", "2", "--out", str(tmp_path / "out.png")])
+    assert Image.open(tmp_path / "out.png").size == (160, 96)  # 300x200 at 128x128 pixels, sides of 32
