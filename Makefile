@@ -53,3 +53,4 @@ clean:
 bench: install
 	$(PY) -m benchmarks.engine_throughput
 	$(PY) -m benchmarks.serve_overhead
+	$(PY) -m benchmarks.edit_throughput

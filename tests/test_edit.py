@@ -8,7 +8,6 @@ import pytest
 import torch
 from PIL import Image
 
-from edit_reference import load_reference, reference_edit, source_image
 from omni_ray.config import ConfigError, load_config
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
@@ -16,6 +15,7 @@ from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.errors import PayloadTooLargeError, RequestError
 from omni_ray.pipeline import LocalPipeline
 from omni_ray.protocol import load_input_image, parse_request, plan_request, working_size
+from omni_ray.reference import load_reference, reference_edit, source_image
 from omni_ray.stages.decode import DecodeRequest, ImageEncodeRequest, VaeRunner
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
 from omni_ray.stages.encode import EDIT, PromptEncoder
@@ -87,7 +87,7 @@ def test_the_input_image_steers_the_edit(config, local):
 
 
 def test_diffusers_as_pinned_drops_mrope_for_the_image(config, edit_dir, reference):
-    """The reason the reference passes mm_token_type_ids (see edit_reference.py): without them the embeddings of
+    """The reason the reference passes mm_token_type_ids (see omni_ray/reference.py): without them the embeddings of
     every token after the first image token differ. Ours are transformers' with M-RoPE, exactly."""
     source = source_image(180, 100, seed=0)
     resized = Image.fromarray(load_input_image(png(source), config))

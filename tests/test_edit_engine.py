@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-from edit_reference import load_reference, reference_edit, source_image
 from omni_ray.config import load_config
 from omni_ray.engine.pipeline import EnginePipeline
 from omni_ray.protocol import load_input_image
+from omni_ray.reference import load_reference, reference_edit, source_image
 from omni_ray.stages.denoise import DenoiseParams
 from omni_ray.stages.encode import EDIT, EncodeRequest
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import requests
 
-from conftest import REPO
 from deployments.local import LocalServe
-from edit_reference import load_reference, reference_edit, source_image
 from omni_ray.config import load_config
+from omni_ray.reference import load_reference, reference_edit, source_image
+
+from conftest import REPO
 from test_serve import png, stage_stats, within_one_level
 
 pytestmark = pytest.mark.serve

@@ -1,7 +1,7 @@
-"""diffusers' QwenImageEditPipeline as the edit tests' reference, with the two settings the tests need.
+"""diffusers' QwenImageEditPipeline as the reference for omni-ray's edits (tests and benchmarks), with two settings.
 
 1. The working area. diffusers resizes the input image to 1024x1024 pixels (a constant in ``__call__``); the tiny
-   preset uses 128x128, so the reference is run with ``calculate_dimensions`` given the same area.
+   preset uses 128x128, so the reference is run with ``calculate_dimensions`` given the preset's area.
 2. M-RoPE. diffusers 0.42 calls the text encoder with ``input_ids``, ``attention_mask``, ``pixel_values`` and
    ``image_grid_thw`` but not the ``mm_token_type_ids`` its own processor returns; transformers 5 needs them to
    give the image tokens their 2D rotary positions and otherwise falls back to 1D positions, which Qwen2.5-VL was
@@ -44,7 +44,7 @@ def reference_edit(pipe: QwenImageEditPipeline, image_area: int, image: Image.Im
 
 
 def source_image(width: int, height: int, seed: int) -> Image.Image:
-    """A photo-like test input: smooth colour gradients, a bright disc, and some noise."""
+    """A photo-like input for tests and benchmarks: smooth colour gradients, a bright disc, and some noise."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width] / max(width, height)
     cx, cy = rng.uniform(0.2, 0.8, 2) * (width / max(width, height), height / max(width, height))
