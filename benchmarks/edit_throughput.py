@@ -26,7 +26,7 @@ import subprocess
 import sys
 import uuid
 
-from benchmarks.engine_throughput import PROMPTS, REPO, RESULTS, best_time, machine
+from benchmarks.engine_throughput import PROMPTS, REPO, RESULTS, best_time, machine, save_figure
 
 INPUT = (384, 256)  # input photo width, height
 NEGATIVE = "blurry, low quality"
@@ -118,10 +118,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
                  f"{report['steps']} steps, true CFG", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    m = report["machine"]
-    fig.suptitle(f"{m['cores']} cores: {m['cpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, report["machine"], path)
 
 
 def main() -> None:

@@ -200,8 +200,12 @@ def plot(report: dict, path: pathlib.Path) -> None:
         ax.set_title(f"{run['size']} checkpoint, {run['width']}x{run['height']}, {run['steps']} steps, true CFG")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    m = report["machine"]
-    fig.suptitle(f"{m['cores']} cores: {m['cpu']}", fontsize=9)
+    save_figure(fig, report["machine"], path)
+
+
+def save_figure(fig, machine_info: dict, path: pathlib.Path) -> None:
+    """Titles the figure with the machine it was measured on and writes it."""
+    fig.suptitle(f"{machine_info['cores']} cores: {machine_info['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

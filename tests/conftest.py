@@ -23,6 +23,17 @@ def edit_dir(tmp_path_factory) -> pathlib.Path:
     return out
 
 
+def encode_all(core, requests) -> tuple[dict, int]:
+    """Drives an encoder engine core by hand until ``requests`` are encoded: (request id -> result, steps run)."""
+    for request in requests:
+        core.add_request(request)
+    results, steps = {}, 0
+    while core.has_unfinished_requests():
+        results.update({o.request_id: o.pooling_output for o in core.step()})
+        steps += 1
+    return results, steps
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)

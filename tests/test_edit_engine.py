@@ -17,7 +17,7 @@ from omni_ray.reference import load_reference, reference_edit, source_image
 from omni_ray.stages.denoise import DenoiseParams
 from omni_ray.stages.encode import EDIT, EncodeRequest
 
-from conftest import REPO
+from conftest import REPO, encode_all
 
 pytestmark = pytest.mark.vllm
 
@@ -51,13 +51,8 @@ def test_vision_embeddings_match_transformers_qwen2_5_vl(pipeline, config, edit_
         EncodeRequest("wide", "make the disc blue", "blurry", images["wide"]),
         EncodeRequest("tall", "turn it into an oil painting of a lighthouse at sunset", None, images["tall"]),
     ]
-    core = pipeline.encoder.core  # driven directly here: the engine's thread is idle while nothing is queued
-    for request in requests:
-        core.add_request(request)
-    results, steps = {}, 0
-    while core.has_unfinished_requests():
-        results.update({o.request_id: o.pooling_output for o in core.step()})
-        steps += 1
+    # Driven directly here: the engine's thread is idle while nothing is queued.
+    results, steps = encode_all(pipeline.encoder.core, requests)
     assert steps <= 2  # vLLM ran the three sequences (and their images) together
     for request in requests:
         texts = {"prompt": request.prompt, "negative": request.negative_prompt}

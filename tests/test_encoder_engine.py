@@ -12,7 +12,7 @@ from omni_ray.engine.pipeline import EnginePipeline
 from omni_ray.stages.denoise import DenoiseParams
 from omni_ray.stages.encode import EncodeRequest
 
-from conftest import REPO
+from conftest import REPO, encode_all
 
 pytestmark = pytest.mark.vllm
 
@@ -37,14 +37,9 @@ def pipeline(config):
 
 
 def test_embeddings_match_diffusers_encode_prompt(pipeline, reference):
-    core = pipeline.encoder.core  # driven directly here: the engine's thread is idle while nothing is queued
     requests = [EncodeRequest(f"e{i}", p, "blurry" if i % 2 else None) for i, p in enumerate(PROMPTS)]
-    for request in requests:
-        core.add_request(request)
-    results, steps = {}, 0
-    while core.has_unfinished_requests():
-        results.update({o.request_id: o.pooling_output for o in core.step()})
-        steps += 1
+    # Driven directly here: the engine's thread is idle while nothing is queued.
+    results, steps = encode_all(pipeline.encoder.core, requests)
     assert steps < len(PROMPTS) + 2  # vLLM's scheduler ran the six sequences together, not one step each
     for request in requests:
         expected, _ = reference.encode_prompt(request.prompt, device="cpu")
