@@ -22,8 +22,8 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from starlette.datastructures import UploadFile
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from starlette.datastructures import UploadFile
 
 from deployments import metrics
 from deployments.chains import cancel, gather_or_cancel, stage_error
