@@ -38,7 +38,9 @@ def load_reference(checkpoint, token_types: bool = True) -> QwenImageEditPipelin
 def reference_edit(pipe: QwenImageEditPipeline, image_area: int, image: Image.Image, seed: int, **kwargs) -> np.ndarray:
     """uint8 ``[H, W, 3]``: diffusers' edit of ``image`` with its working area set to ``image_area``."""
     calculate = pipeline_qwenimage_edit.calculate_dimensions
-    with mock.patch.object(pipeline_qwenimage_edit, "calculate_dimensions", lambda _, ratio: calculate(image_area, ratio)):
+    with mock.patch.object(
+        pipeline_qwenimage_edit, "calculate_dimensions", lambda _, ratio: calculate(image_area, ratio)
+    ):
         pixels = pipe(image=image, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs)
     return (pixels.images[0] * 255).round().astype(np.uint8)
 

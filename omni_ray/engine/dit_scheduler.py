@@ -1,9 +1,10 @@
 """Step-level continuous batching for the DiT.
 
 Every ``schedule()`` picks one batch key (image size, true CFG on or off, an edit's input image size) and steps
-every admitted request of that key once. Waiting requests of that key join at the step boundary while the batch has room; finished and aborted
-requests leave at the boundary. Admitted requests keep their state in the runner, so a key can pause and resume
-at any step: when another key has waited ``max_wait_steps`` steps, the scheduler switches to it, and no key starves.
+every admitted request of that key once. Waiting requests of that key join at the step boundary while the batch has
+room; finished and aborted requests leave at the boundary. Admitted requests keep their state in the runner, so a key
+can pause and resume at any step: when another key has waited ``max_wait_steps`` steps, the scheduler switches to
+it, and no key starves.
 """
 
 from __future__ import annotations
