@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 PositiveInt = Annotated[int, Field(gt=0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
+# Image sides are multiples of this: the VAE's 8x compression times the transformer's 2x2 patches (Qwen-Image's
+# architecture, not a setting). The model runners check that a checkpoint agrees.
+SIZE_MULTIPLE = 16
+
 # "owner/name", as on the model hub; anything else must be a local directory.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -142,12 +146,14 @@ class RequestLimits(_Frozen):
     default_steps: PositiveInt = Field(50, description="Denoising steps when a request gives none.")
     min_side: PositiveInt = Field(256, description="Smallest image side a request may ask for, in pixels.")
     max_side: PositiveInt = Field(2048, description="Largest image side a request may ask for, in pixels.")
-    size_multiple: PositiveInt = Field(
-        16, description="Image sides must be multiples of this: the VAE's 8x compression times the 2x2 packing."
-    )
     timeout_s: float = Field(
         600.0, gt=0, description="Deadline of one request, all images and stages included; past it the work is "
         "aborted in every stage and the caller gets a 504."
+    )
+    max_retries: int = Field(
+        2, ge=0, description="Stage calls of one request that may be issued again after their replica (or the "
+        "node holding their result) was lost; stage calls are deterministic, so a retry gives the same image. Past "
+        "it the caller gets a 503 naming the stage."
     )
 
     @model_validator(mode="after")
@@ -156,8 +162,8 @@ class RequestLimits(_Frozen):
             raise ValueError(f"min_side ({self.min_side}) exceeds max_side ({self.max_side})")
         for name in ("default_width", "default_height", "min_side", "max_side"):
             value = getattr(self, name)
-            if value % self.size_multiple:
-                raise ValueError(f"{name} ({value}) is not a multiple of size_multiple ({self.size_multiple})")
+            if value % SIZE_MULTIPLE:
+                raise ValueError(f"{name} ({value}) is not a multiple of {SIZE_MULTIPLE}")
         for name in ("default_width", "default_height"):
             if not self.min_side <= getattr(self, name) <= self.max_side:
                 raise ValueError(f"{name} is outside min_side..max_side")

@@ -34,12 +34,17 @@ class EngineError(OmniRayError):
     """A stage failed while running a request: the model, memory, or the engine loop."""
 
     def __init__(self, message: str, stage: str | None = None):
-        super().__init__(f"{stage}: {message}" if stage else message)
-        self.stage = stage
+        super().__init__(message)
+        self.message = message
+        self.stage = stage  # set by the engine that ran the request when the raiser did not know it
+
+    def __str__(self) -> str:
+        return f"{self.stage}: {self.message}" if self.stage else self.message
 
 
 class OverloadedError(EngineError):
-    """A stage's queue is full, or a stage replica is gone and being replaced: retry after ``retry_after_s``."""
+    """A stage cannot take the request now (its queue is full, its memory ran out, its replica is gone and retries
+    ran out): retry after ``retry_after_s``."""
 
     status_code = 503
     error_type = "overloaded_error"
@@ -49,8 +54,30 @@ class OverloadedError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class StageLostError(OverloadedError):
+    """A stage call was lost with its replica (or the object it returned was lost with its node). Stage calls are
+    deterministic in their inputs, so the request path issues ``call`` again; the caller sees this error only when
+    the request's retry budget runs out."""
+
+    def __init__(self, stage: str, call: str, cause: str = "", retry_after_s: float = 5.0):
+        detail = f": {cause}" if cause else ""
+        super().__init__(f"the replica running {call} was lost{detail}", retry_after_s, stage)
+        self.call = call
+
+
 class DeadlineExceededError(EngineError):
     """The request ran past its deadline; its work was aborted in every stage."""
 
     status_code = 504
     error_type = "timeout_error"
+
+
+def request_failure(err: Exception) -> EngineError:
+    """What a model runner's exception means for the one request it concerns: running out of device memory is
+    a 503 (the request may fit later, or on another replica); anything else is a 500 naming the exception."""
+    if isinstance(err, EngineError):
+        return err
+    # torch.OutOfMemoryError (CUDA) and MemoryError (host); matched by name so that this module needs no torch.
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return OverloadedError(f"out of memory while running the request: {err}", retry_after_s=5.0)
+    return EngineError(f"{type(err).__name__}: {err}")

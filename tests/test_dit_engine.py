@@ -118,11 +118,44 @@ def test_a_request_that_fails_inside_the_step_fails_alone(runner, requests, solo
     outputs = core.step()
     errors = {o.request_id: o.error for o in outputs if o.finish_reason == "error"}
     assert sorted(errors) == ["bad", "unprepared"]
-    assert "RuntimeError" in errors["bad"] and "ZeroDivisionError" in errors["unprepared"]
+    assert "RuntimeError" in str(errors["bad"]) and "ZeroDivisionError" in str(errors["unprepared"])
     assert [o.progress for o in outputs if o.request_id == "r0"] == [(1, 2)]
     results, _ = run_to_completion(core)
     assert (results["r0"].latents - solo["r0"].latents).abs().max().item() <= TOLERANCE
     assert runner.states == {} and not core.scheduler.has_requests()
+
+
+def test_a_step_that_raises_fails_its_requests_only_and_other_keys_run_on(runner, requests, solo):
+    """A failure that escapes the runner's per-request isolation fails the requests of that step; requests of
+    another batch key, waiting meanwhile, and the engine loop carry on."""
+
+    class FailsOnce:
+        def __init__(self):
+            self.failed = False
+
+        def execute_model(self, batch):
+            if not self.failed and "doomed" in batch.request_ids:
+                self.failed = True
+                raise RuntimeError("device lost its mind")
+            return runner.execute_model(batch)
+
+    engine = AsyncEngine(lambda: EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), FailsOnce()), "dit")
+    engine.start()
+    doomed = DenoiseRequest("doomed", DenoiseParams(64, 64, 2, seed=1), requests[0].prompt)
+    other_key = DenoiseRequest("other", DenoiseParams(64, 96, 2, seed=2), requests[2].prompt)
+
+    async def main():
+        return await asyncio.gather(engine.generate(doomed), engine.generate(other_key), engine.generate(requests[1]),
+                                    return_exceptions=True)
+
+    try:
+        failed, other, with_cfg = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert isinstance(failed, EngineError) and "dit: RuntimeError: device lost its mind" in str(failed)
+    assert other.latents.shape == (24, 64)
+    assert (with_cfg.latents - solo["r1"].latents).abs().max().item() <= TOLERANCE  # r1: true CFG, another key
+    assert runner.states == {}
 
 
 def test_async_driver_batches_concurrent_callers_and_reports_progress(runner, requests, solo):

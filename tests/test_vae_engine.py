@@ -42,3 +42,41 @@ def test_batched_decode_matches_one_at_a_time(decoder):
         # A batch of three runs other conv kernels' blocking than a batch of one: rounding, at most one level.
         assert np.abs(result.pixels.astype(int) - alone.astype(int)).max() <= 1
     assert np.abs(results["d0"].pixels.astype(int) - results["d1"].pixels.astype(int)).max() > 10
+
+
+def test_a_bad_latent_in_a_batched_decode_fails_alone(decoder):
+    """One request whose latents do not fit its size makes the batched call raise: the runner decodes each request
+    alone, so only it fails, and its batch-mates and the request queued behind them get their images."""
+    good = [latents(seed) for seed in range(2)]
+    bad = Latents(torch.randn(5, 64), 64, 64)  # 5 tokens where a 64x64 image has 16
+    core = EngineCore(VAEScheduler(max_batch_size=3), decoder)
+    for request_id, item in (("g0", good[0]), ("bad", bad), ("g1", good[1]), ("queued", latents(7))):
+        core.add_request(DecodeRequest(request_id, item))
+    outputs = core.step() + core.step()
+    errors = {o.request_id: o.error for o in outputs if o.finish_reason == "error"}
+    assert list(errors) == ["bad"] and "RuntimeError" in str(errors["bad"])
+    results = {o.request_id: o.pooling_output for o in outputs if o.finish_reason == "stop"}
+    assert sorted(results) == ["g0", "g1", "queued"]
+    for request_id, item in (("g0", good[0]), ("g1", good[1])):
+        alone = decoder.decode([item])[0]
+        assert np.abs(results[request_id].pixels.astype(int) - alone.astype(int)).max() <= 1
+
+
+def test_out_of_memory_for_one_request_is_a_503_for_it_alone(decoder, monkeypatch):
+    from omni_ray.errors import OverloadedError
+
+    decode = decoder.decode
+
+    def decode_or_run_out(batch):
+        if any(item.height == 96 for item in batch):  # the large one does not fit
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return decode(batch)
+
+    monkeypatch.setattr(decoder, "decode", decode_or_run_out)
+    core = EngineCore(VAEScheduler(max_batch_size=4), decoder)
+    core.add_request(DecodeRequest("large", latents(0, 96, 96)))
+    core.add_request(DecodeRequest("small", latents(1)))
+    outputs = {o.request_id: o for o in core.step() + core.step()}
+    assert isinstance(outputs["large"].error, OverloadedError) and outputs["large"].error.status_code == 503
+    assert "out of memory" in str(outputs["large"].error)
+    assert outputs["small"].pooling_output.pixels.shape == (64, 64, 3)

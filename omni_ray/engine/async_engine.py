@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omni_ray.engine.output import EngineCoreOutput
-from omni_ray.errors import EngineError
+from omni_ray.engine.core import EngineCoreClient
+from omni_ray.engine.output import EngineCoreOutput, StepError
+from omni_ray.errors import EngineError, request_failure
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +42,14 @@ class AsyncEngine:
 
     def __init__(
         self,
-        build_core: Callable[[], Any],
+        build_core: Callable[[], EngineCoreClient],
         name: str,
         stall_timeout_s: float = 300.0,
         on_step: StepCallback | None = None,
     ):
         self.build_core = build_core
         self.on_step = on_step  # called on the engine thread after every step, for metrics
-        self.core: Any = None
+        self.core: EngineCoreClient | None = None
         self.name = name
         self.stall_timeout_s = stall_timeout_s
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -70,8 +71,9 @@ class AsyncEngine:
             raise EngineError(f"engine failed to start: {self._build_error}", self.name) from self._build_error
         return self
 
-    async def generate(self, request: Any, on_progress: ProgressCallback | None = None) -> Any:
-        """Adds ``request`` (its ``request_id`` must be unique) and returns its stage result."""
+    async def generate(self, request, on_progress: ProgressCallback | None = None) -> Any:
+        """Adds ``request`` (its ``request_id`` must be unique) and returns its stage result (the core's
+        ``pooling_output``); raises the EngineError it failed with."""
         if not self._thread.is_alive():
             raise EngineError("engine loop is not running", self.name)
         loop = asyncio.get_running_loop()
@@ -118,7 +120,7 @@ class AsyncEngine:
             self._loop()
         finally:
             for request_id in list(self._callers):
-                self._deliver(EngineCoreOutput(request_id, finish_reason="error", error="engine shut down"))
+                self._deliver(EngineCoreOutput.failed(request_id, EngineError("engine shut down")))
             self.core.shutdown()
 
     def _loop(self) -> None:
@@ -129,9 +131,9 @@ class AsyncEngine:
             started = self._busy_since = time.monotonic()
             try:
                 outputs = self.core.step()
-            except Exception as err:  # the step failed as a whole: fail its requests, keep the loop
+            except StepError as err:  # the step failed as a whole: fail the requests it ran, keep the loop
                 logger.exception("%s engine step failed", self.name)
-                outputs = self._fail_all(err)
+                outputs = self._fail(err.request_ids, request_failure(err.__cause__ or err))
             finally:
                 self._busy_since = None
             self.num_steps += 1
@@ -158,7 +160,7 @@ class AsyncEngine:
         except queue.Empty:
             return None
 
-    def _add(self, request: Any, caller: _Caller) -> None:
+    def _add(self, request, caller: _Caller) -> None:
         if caller.future.done():  # cancelled before it reached the loop
             return
         if request.request_id in self._callers:
@@ -167,16 +169,19 @@ class AsyncEngine:
         try:
             self.core.add_request(request)
         except Exception as err:
-            _resolve(caller, err if isinstance(err, EngineError) else EngineError(str(err), self.name))
+            _resolve(caller, self._named(request_failure(err)))
             return
         self._callers[request.request_id] = caller
         self.num_requests += 1
 
-    def _fail_all(self, err: Exception) -> list[EngineCoreOutput]:
-        request_ids = list(self._callers)
+    def _fail(self, request_ids: list[str], error: EngineError) -> list[EngineCoreOutput]:
         self.core.abort_requests(request_ids)
-        message = f"{type(err).__name__}: {err}"
-        return [EngineCoreOutput(rid, finish_reason="error", error=message) for rid in request_ids]
+        return [EngineCoreOutput.failed(request_id, error) for request_id in request_ids]
+
+    def _named(self, error: EngineError) -> EngineError:
+        """The error with this engine's stage name, when the raiser did not know it."""
+        error.stage = error.stage or self.name
+        return error
 
     def _deliver(self, output: EngineCoreOutput) -> None:
         caller = self._callers.get(output.request_id)
@@ -188,7 +193,7 @@ class AsyncEngine:
             return
         del self._callers[output.request_id]
         if output.finish_reason == "error":
-            _resolve(caller, EngineError(output.error or "request failed", self.name))
+            _resolve(caller, self._named(output.error or EngineError("request failed")))
         else:
             _resolve(caller, output.pooling_output)
 

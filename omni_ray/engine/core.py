@@ -2,25 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
-from omni_ray.engine.output import EngineCoreOutput
-from omni_ray.engine.scheduler import Scheduler
+from omni_ray.engine.output import EngineCoreOutput, StepError
+from omni_ray.engine.scheduler import Scheduler, SchedulerOutput
 
-
-class ModelRunner(Protocol):
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """Runs one step's work on the model; the only place that touches it."""
+SchedulerOutputT = TypeVar("SchedulerOutputT", bound=SchedulerOutput, contravariant=True)
+RunnerOutputT = TypeVar("RunnerOutputT", covariant=True)
 
 
-class EngineCore:
+class ModelRunner(Protocol[SchedulerOutputT, RunnerOutputT]):
+    def execute_model(self, scheduler_output: SchedulerOutputT) -> RunnerOutputT:
+        """Runs one step's work on the model; the only place that touches it. A request that fails alone comes
+        back in the output's ``errors``; an exception fails every request of the step."""
+
+
+class EngineCoreClient(Protocol):
+    """What the async driver needs of a core: ours below, and the encoder's around vLLM's."""
+
+    def add_request(self, request) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[EngineCoreOutput]: ...
+    def shutdown(self) -> None: ...
+
+
+class EngineCore(Generic[SchedulerOutputT, RunnerOutputT]):
     """Drives a stage's scheduler and model runner (the DiT's and the VAE's; the encoder's is vLLM's own)."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner[SchedulerOutputT, RunnerOutputT]):
         self.scheduler = scheduler
         self.runner = runner
 
-    def add_request(self, request: Any) -> None:
+    def add_request(self, request) -> None:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -33,7 +47,10 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception as err:
+            raise StepError(scheduler_output.request_ids) from err
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:

@@ -18,7 +18,7 @@ from omni_ray.stages.denoise import DenoiseBatch, DenoiseOutput, DenoiseRequest
 BatchKey = tuple[int, int, bool, tuple[int, int] | None]  # height, width, true CFG, edit image size
 
 
-class DiTScheduler(Scheduler):
+class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def __init__(self, max_batch_size: int, max_wait_steps: int):
         assert max_batch_size > 0 and max_wait_steps > 0
         self.max_batch_size = max_batch_size
@@ -74,8 +74,7 @@ class DiTScheduler(Scheduler):
         ]
         for request_id, latents in runner_output.finished.items():
             outputs.append(EngineCoreOutput(request_id, latents, "stop", progress=runner_output.progress[request_id]))
-        for request_id, message in runner_output.errors.items():
-            outputs.append(EngineCoreOutput(request_id, finish_reason="error", error=message))
+        outputs += [EngineCoreOutput.failed(request_id, error) for request_id, error in runner_output.errors.items()]
         for output in outputs:
             if output.finished:
                 self.running[self.key_of[output.request_id]].remove(output.request_id)

@@ -7,7 +7,7 @@ texts are encoded, template dropped.
 
 from __future__ import annotations
 
-from omni_ray.engine.output import EngineCoreOutput
+from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.stages.encode import (
     EncodedPrompt,
     EncodeRequest,
@@ -49,8 +49,12 @@ class EncoderEngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.pending:
             return []
+        try:
+            finished = self.encoder.step()
+        except Exception as err:  # vLLM may have run any of them
+            raise StepError(list(self.pending)) from err
         outputs = []
-        for sequence_id, hidden in self.encoder.step().items():
+        for sequence_id, hidden in finished.items():
             request_id, part = sequence_id.rsplit("/", 1)
             parts = self.pending.get(request_id)
             if parts is None:  # aborted while vLLM ran it

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from omni_ray.errors import EngineError
+
 FinishReason = Literal["stop", "error"]
 
 
@@ -17,11 +19,23 @@ class EngineCoreOutput:
     """
 
     request_id: str
-    pooling_output: Any = None
+    pooling_output: Any = None  # the stage's result record: EncodedPrompt, Latents or Decoded
     finish_reason: FinishReason | None = None
-    error: str | None = None  # set when finish_reason is "error"
+    error: EngineError | None = None  # set when finish_reason is "error"
     progress: tuple[int, int] | None = None  # (steps done, total steps), for stages that step
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def failed(cls, request_id: str, error: EngineError) -> EngineCoreOutput:
+        return cls(request_id, finish_reason="error", error=error)
+
+
+class StepError(Exception):
+    """A step raised past the runner's own per-request isolation: it fails the requests it ran, and only them."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"step of {len(request_ids)} request(s) failed")
+        self.request_ids = request_ids

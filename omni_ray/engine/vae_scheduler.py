@@ -6,16 +6,16 @@ from collections import deque
 
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
-from omni_ray.stages.decode import DecodeBatch, DecodeOutput, DecodeRequest
+from omni_ray.stages.decode import DecodeBatch, DecodeOutput, VAERequest
 
 
-class VAEScheduler(Scheduler):
+class VAEScheduler(Scheduler[VAERequest, DecodeBatch, DecodeOutput]):
     def __init__(self, max_batch_size: int):
         assert max_batch_size > 0
         self.max_batch_size = max_batch_size
-        self.waiting: deque[DecodeRequest] = deque()
+        self.waiting: deque[VAERequest] = deque()
 
-    def add_request(self, request: DecodeRequest) -> None:
+    def add_request(self, request: VAERequest) -> None:
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: list[str]) -> None:
@@ -34,7 +34,7 @@ class VAEScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: DecodeBatch, runner_output: DecodeOutput) -> list[EngineCoreOutput]:
         outputs = [EngineCoreOutput(rid, result, "stop") for rid, result in runner_output.finished.items()]
-        outputs += [EngineCoreOutput(rid, finish_reason="error", error=msg) for rid, msg in runner_output.errors.items()]
+        outputs += [EngineCoreOutput.failed(rid, error) for rid, error in runner_output.errors.items()]
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -9,6 +9,7 @@ way). Encoding preprocesses, takes the latent distribution's mode, normalises an
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,8 +18,11 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 
+from omni_ray.config import SIZE_MULTIPLE
+from omni_ray.errors import EngineError, request_failure
 from omni_ray.stages.denoise import Latents, pack_latents
 
+logger = logging.getLogger(__name__)
 
 OutputMode = Literal["pixels", "latents", "both"]
 
@@ -48,11 +52,18 @@ class ImageEncodeRequest:
         return ("encode", *self.image.shape[:2])
 
 
+VAERequest = DecodeRequest | ImageEncodeRequest
+
+
 @dataclass(slots=True)
 class DecodeBatch:
     """One engine step's work: same-key requests run in one VAE call (the VAE scheduler's output)."""
 
-    requests: list[DecodeRequest] | list[ImageEncodeRequest]
+    requests: list[VAERequest]  # one batch key: all decodes of one size, or all image encodes of one size
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [request.request_id for request in self.requests]
 
 
 @dataclass(slots=True)
@@ -69,14 +80,14 @@ class DecodeOutput:
     """What one engine step produced (the runner's output)."""
 
     finished: dict[str, Decoded | Latents]  # request id -> result (Latents for an ImageEncodeRequest)
-    errors: dict[str, str]  # request id -> message
+    errors: dict[str, EngineError]  # request id -> why, for requests that failed alone
 
 
-def unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """``[B, image_seq_len, C*4]`` -> ``[B, C, 1, H/8, W/8]``, the inverse of ``pack_latents``."""
     batch, _, channels = latents.shape
-    rows = 2 * (height // (vae_scale_factor * 2))
-    cols = 2 * (width // (vae_scale_factor * 2))
+    rows = 2 * (height // SIZE_MULTIPLE)
+    cols = 2 * (width // SIZE_MULTIPLE)
     latents = latents.view(batch, rows // 2, cols // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return latents.reshape(batch, channels // 4, 1, rows, cols)
 
@@ -88,28 +99,43 @@ class VaeRunner:
         self.device = torch.device(device)
         self.vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype)
         self.vae.to(self.device).eval()
-        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
-        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        assert 2 ** len(self.vae.temperal_downsample) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
+        self.image_processor = VaeImageProcessor(vae_scale_factor=SIZE_MULTIPLE)
         z_dim = self.vae.config.z_dim
         self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
         self.latents_std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
 
     def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
-        """Runs the batch in one VAE call; decode requests that asked for latents only skip the VAE."""
-        if isinstance(batch.requests[0], ImageEncodeRequest):
-            latents = self.encode([request.image for request in batch.requests])
-            return DecodeOutput(finished=dict(zip((r.request_id for r in batch.requests), latents)), errors={})
-        to_decode = [request for request in batch.requests if request.output != "latents"]
+        """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
+        fail (a bad latent, or one that does not fit in memory beside the others)."""
+        output = DecodeOutput(finished={}, errors={})
+        try:
+            output.finished.update(self._run(batch.requests))
+            return output
+        except Exception:
+            if len(batch.requests) > 1:
+                logger.exception("VAE call of %d requests failed; retrying each alone", len(batch.requests))
+        for request in batch.requests:
+            try:
+                output.finished.update(self._run([request]))
+            except Exception as err:
+                output.errors[request.request_id] = request_failure(err)
+        return output
+
+    def _run(self, requests: list[VAERequest]) -> dict[str, Decoded | Latents]:
+        """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE."""
+        if isinstance(requests[0], ImageEncodeRequest):
+            return dict(zip((r.request_id for r in requests), self.encode([r.image for r in requests])))
+        to_decode = [request for request in requests if request.output != "latents"]
         pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
         by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
-        finished = {
+        return {
             request.request_id: Decoded(
                 pixels=by_id.get(request.request_id),
                 latents=request.latents if request.output != "pixels" else None,
             )
-            for request in batch.requests
+            for request in requests
         }
-        return DecodeOutput(finished=finished, errors={})
 
     @torch.no_grad()
     def decode(self, batch: list[Latents]) -> np.ndarray:
@@ -117,7 +143,7 @@ class VaeRunner:
         height, width = batch[0].height, batch[0].width
         assert all((item.height, item.width) == (height, width) for item in batch), "mixed sizes in one decode"
         packed = torch.stack([item.latents for item in batch]).to(self.device)
-        latents = unpack_latents(packed, height, width, self.vae_scale_factor).to(self.vae.dtype)
+        latents = unpack_latents(packed, height, width).to(self.vae.dtype)
         mean = self.latents_mean.to(latents.device, latents.dtype)
         inverse_std = 1.0 / self.latents_std.to(latents.device, latents.dtype)
         image = self.vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]

@@ -17,9 +17,16 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
+from omni_ray.config import SIZE_MULTIPLE
+from omni_ray.errors import EngineError, request_failure
 from omni_ray.stages.encode import PromptEmbeds
 
 logger = logging.getLogger(__name__)
+
+
+def uses_true_cfg(true_cfg_scale: float, has_negative: bool) -> bool:
+    """diffusers' rule: true CFG runs when the scale is above 1 and a negative prompt is given."""
+    return true_cfg_scale > 1 and has_negative
 
 
 @dataclass(slots=True)
@@ -36,7 +43,7 @@ class DenoiseParams:
         self, has_negative: bool, image_size: tuple[int, int] | None = None
     ) -> tuple[int, int, bool, tuple[int, int] | None]:
         """Requests whose keys match can share a forward pass: same size, CFG mode and edit image size."""
-        return (self.height, self.width, self.true_cfg_scale > 1 and has_negative, image_size)
+        return (self.height, self.width, uses_true_cfg(self.true_cfg_scale, has_negative), image_size)
 
 
 @dataclass(slots=True)
@@ -70,7 +77,7 @@ class DenoiseOutput:
     """What one engine step produced (the runner's output)."""
 
     finished: dict[str, Latents]  # request id -> final latents, for requests whose last step this was
-    errors: dict[str, str]  # request id -> message, for requests that failed alone
+    errors: dict[str, EngineError]  # request id -> why, for requests that failed alone
     progress: dict[str, tuple[int, int]]  # request id -> (steps done, total steps), for every stepped request
 
 
@@ -141,13 +148,8 @@ class DenoiseRunner:
         self.transformer.to(self.device).eval()
         self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
-        self.vae_scale_factor = 2 ** len(vae_config["temperal_downsample"])
+        assert 2 ** len(vae_config["temperal_downsample"]) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
         self.num_channels_latents = self.transformer.config.in_channels // 4
-
-    @property
-    def size_multiple(self) -> int:
-        """Image sides must be multiples of this (VAE compression times the 2x2 packing)."""
-        return self.vae_scale_factor * 2
 
     def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
         """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
@@ -160,7 +162,7 @@ class DenoiseRunner:
                     request.params, request.prompt, request.negative, request.image
                 )
             except Exception as err:  # a bad request fails alone
-                output.errors[request.request_id] = describe(err)
+                output.errors[request.request_id] = request_failure(err)
         states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
         self._step_isolating_failures(states, output.errors)
         for request_id, state in states.items():
@@ -171,7 +173,7 @@ class DenoiseRunner:
                 output.finished[request_id] = self.finish(self.states.pop(request_id))
         return output
 
-    def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, str]) -> None:
+    def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, EngineError]) -> None:
         """Steps the batch; if that fails, steps each request alone so that only the failing ones fail."""
         if not states:
             return
@@ -187,7 +189,7 @@ class DenoiseRunner:
             try:
                 self.step([state])
             except Exception as err:
-                errors[request_id] = describe(err)
+                errors[request_id] = request_failure(err)
                 del self.states[request_id]
 
     def prepare(
@@ -198,10 +200,10 @@ class DenoiseRunner:
         image: Latents | None = None,
     ) -> DenoiseState:
         """Draws the request's noise and schedule; an edit's image latents come along."""
-        if params.height % self.size_multiple or params.width % self.size_multiple:
-            raise ValueError(f"height and width must be multiples of {self.size_multiple}")
-        rows = 2 * (params.height // self.size_multiple)
-        cols = 2 * (params.width // self.size_multiple)
+        if params.height % SIZE_MULTIPLE or params.width % SIZE_MULTIPLE:
+            raise ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}")
+        rows = 2 * (params.height // SIZE_MULTIPLE)
+        cols = 2 * (params.width // SIZE_MULTIPLE)
         # Drawn on the CPU in diffusers' unpacked shape, so the same seed gives the same image on any device.
         generator = torch.Generator("cpu").manual_seed(params.seed)
         noise = torch.randn((1, 1, self.num_channels_latents, rows, cols), generator=generator, dtype=self.dtype)
@@ -215,10 +217,10 @@ class DenoiseRunner:
             mu=calculate_shift(latents.shape[1], scheduler.config),
         )
         scheduler.set_begin_index(0)
-        do_true_cfg = params.true_cfg_scale > 1 and negative is not None
+        do_true_cfg = uses_true_cfg(params.true_cfg_scale, negative is not None)
         img_shapes = [(1, rows // 2, cols // 2)]
         if image is not None:
-            img_shapes.append((1, image.height // self.size_multiple, image.width // self.size_multiple))
+            img_shapes.append((1, image.height // SIZE_MULTIPLE, image.width // SIZE_MULTIPLE))
         return DenoiseState(
             params=params,
             latents=latents,
@@ -288,10 +290,6 @@ class DenoiseRunner:
         """The finished state's latents, moved to the CPU for the VAE stage."""
         assert state.is_finished
         return Latents(state.latents[0].cpu().contiguous(), state.params.height, state.params.width)
-
-
-def describe(err: Exception) -> str:
-    return f"{type(err).__name__}: {err}"
 
 
 def one_step_overrides(num_inference_steps: int) -> dict:
