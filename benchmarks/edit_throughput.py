@@ -38,7 +38,7 @@ def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
     from omni_ray.config import load_config
     from omni_ray.engine.pipeline import EnginePipeline
     from omni_ray.protocol import load_input_image
-    from omni_ray.reference import load_reference, reference_edit, source_image
+    from tests.reference import load_reference, reference_edit, source_image
     from omni_ray.stages.denoise import DenoiseParams
     from omni_ray.tiny import write_checkpoint
 

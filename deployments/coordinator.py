@@ -1,10 +1,10 @@
-"""The CrossEngineCoordinator: the app's ingress. It validates requests and chains the three stages.
+"""The CrossEngineCoordinator: the app's ingress. It keeps the routes; the request path does the rest.
 
-Each image's chain is encoder -> DiT -> VAE, with each stage's ``DeploymentResponse`` passed straight into the next
-stage's ``.remote(...)``: Ray moves the embeddings and latents between the stage replicas, and the coordinator awaits
-only the last response. A request's prompt is encoded once, and its ``n`` images run as ``n`` concurrent chains from
-there, which the DiT batches step by step. An edit's input image goes into the object store once; the encoder and
-the VAE (which encodes it to latents for the DiT) read it by reference.
+Each route plans a request (validates it, resolves sizes, assigns seeds) and views the one event stream that
+``omni_ray.request_path.run_request`` makes of it over the stage deployments (``ServeStages``): a JSON response
+drains it, server-sent events forward it, handle callers get either. Stage results pass from replica to replica by
+reference; only each image's final pixels come here, and they are encoded to PNG/JPEG/WebP on a thread, never on
+the event loop.
 """
 
 from __future__ import annotations
@@ -18,26 +18,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import UploadFile
 
 from deployments import metrics
-from deployments.chains import cancel, gather_or_cancel, stage_error
+from deployments.serve_stages import ServeStages
 from omni_ray.config import PipelineConfig
-from omni_ray.errors import (
-    DeadlineExceededError,
-    OmniRayError,
-    OverloadedError,
-    PayloadTooLargeError,
-    RequestError,
-)
+from omni_ray.errors import OmniRayError, OverloadedError, PayloadTooLargeError, RequestError
 from omni_ray.protocol import (
     GenerationPlan,
     ImageGenerationRequest,
+    check_route,
     completed_event,
     encode_image,
     error_body,
@@ -47,9 +41,9 @@ from omni_ray.protocol import (
     plan_request,
     progress_event,
 )
+from omni_ray.request_path import Failed, ImageDone, Progress, RequestEvent, collect, run_request
 from omni_ray.stages.decode import Decoded, OutputMode
-from omni_ray.stages.denoise import DenoiseParams
-from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE, EncodeRequest, PromptTokenizer
+from omni_ray.stages.encode import PromptTokenizer, template_for
 
 logger = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 1 << 20
@@ -67,7 +61,8 @@ def _count_error(err: OmniRayError) -> None:
 
 @contextlib.contextmanager
 def _counting_errors() -> Iterator[None]:
-    """Counts the OmniRayError that leaves the block (for errors raised before ``Coordinator.plan``, which counts)."""
+    """Counts the OmniRayError that leaves the block: a request refused before its stream starts (a failed stream
+    is counted where its error event passes)."""
     try:
         yield
     except OmniRayError as err:
@@ -75,16 +70,7 @@ def _counting_errors() -> Iterator[None]:
         raise
 
 
-def _wrong_route(config: PipelineConfig) -> RequestError:
-    """The error for a request sent to the route that the preset does not serve (generations or edits)."""
-    if config.edit is not None:
-        message = f"image: {config.name!r} edits images; send an `image` and a `prompt` to /v1/images/edits"
-    else:
-        message = f"image: {config.name!r} does not edit images; use /v1/images/generations"
-    return RequestError(message, param="image")
-
-
-async def _sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """Server-sent events, one ``data:`` line of JSON each."""
     async for event in events:
         yield f"data: {json.dumps(event)}\n\n".encode()
@@ -150,45 +136,49 @@ async def _edit_form(request: Request, limit: int) -> tuple[dict[str, str], byte
     return fields, images[0] if images else None
 
 
+async def _encode_file(result: Decoded, request: ImageGenerationRequest) -> bytes:
+    """The image file of one result, encoded on a thread (a 1328x1328 PNG takes 200-400 ms)."""
+    return await asyncio.to_thread(encode_image, result.pixels, request.output_format, request.output_compression)
+
+
 # Serve pickles the class when @serve.ingress runs, before the rest of this module exists: helpers go above.
 @serve.ingress(api)
 class Coordinator:
-    """Validates, fans ``n`` out, chains the stages, and turns pixels into image files."""
+    """Plans requests and views their event streams: JSON, server-sent events, or records for handle callers."""
 
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
-        self.encoder, self.dit, self.vae = encoder, dit, vae
+        self.stages = ServeStages(encoder, dit, vae)
         self.config = config
-        self.tokenizer = PromptTokenizer(config.model, EDIT if config.edit is not None else TEXT_TO_IMAGE)
+        self.tokenizer = PromptTokenizer(config.model, template_for(config))
         self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
 
     @api.post("/v1/images/generations")
     async def generations(self, request: Request) -> Response:
         with _counting_errors():
-            if self.config.edit is not None:
-                raise _wrong_route(self.config)
+            check_route(self.config, has_image=False)
             body = await _read_limited(request, MAX_BODY_BYTES)
             try:
                 payload = json.loads(body)
             except ValueError:
                 raise RequestError("request body is not valid JSON", param=None) from None
-        return await self.serve(await self.plan(payload), request)
+        return await self.respond(await self.plan(payload), request)
 
     @api.post("/v1/images/edits")
     async def edits(self, request: Request) -> Response:
         with _counting_errors():
-            if self.config.edit is None:
-                raise _wrong_route(self.config)
+            check_route(self.config, has_image=True)
             fields, image = await _edit_form(request, self.config.edit.max_image_bytes + MAX_BODY_BYTES)
-        return await self.serve(await self.plan(fields, image, form=True), request)
+            body = parse_request(fields, form=True)
+        return await self.respond(await self.plan(body, image or b""), request)  # b"": "image: required"
 
-    async def serve(self, plan: GenerationPlan, request: Request) -> Response:
-        """The response to a planned HTTP request: JSON, or server-sent events when it streams."""
+    async def respond(self, plan: GenerationPlan, request: Request) -> Response:
+        """JSON, or server-sent events when the request streams."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
         if plan.request.stream:
-            events = _sse_stream(self.events(plan, request_id))
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return JSONResponse(await self.respond(plan, request_id), headers=headers)
+            return StreamingResponse(_sse(self.sse_events(plan, request_id)), media_type="text/event-stream",
+                                     headers=headers)
+        return JSONResponse(await self.json_response(plan, request_id), headers=headers)
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -198,12 +188,20 @@ class Coordinator:
     async def health(self) -> dict:
         return {"status": "ok"}
 
+    # --- handle callers: the same views, by method ------------------------------------------------------------
+
     async def generate(
         self, body: dict | ImageGenerationRequest, request_id: str | None = None, image: bytes | None = None
     ) -> dict:
-        """The images response for an OpenAI-style body (and for an edit the input image file): what
-        DeploymentHandle callers get (HTTP gets the same)."""
-        return await self.respond(await self.plan(body, image), request_id)
+        """The images response for an OpenAI-style body (and for an edit the input image file), as HTTP gets it."""
+        return await self.json_response(await self.plan(body, image), request_id or uuid.uuid4().hex)
+
+    async def generate_stream(
+        self, body: dict | ImageGenerationRequest, request_id: str | None = None, image: bytes | None = None
+    ) -> AsyncIterator[dict]:
+        """The streamed events, as server-sent events carry them (``handle.options(stream=True)``)."""
+        async for event in self.sse_events(await self.plan(body, image), request_id or uuid.uuid4().hex):
+            yield event
 
     async def images(
         self,
@@ -213,138 +211,49 @@ class Coordinator:
         image: bytes | None = None,
     ) -> list[Decoded]:
         """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
-        return await self.run(await self.plan(body, image), request_id, output)
+        return await collect(self.events(await self.plan(body, image), request_id or uuid.uuid4().hex, output))
 
-    async def plan(
-        self, body: dict | ImageGenerationRequest, image: bytes | None = None, form: bool = False
-    ) -> GenerationPlan:
+    # --- the one path and its views -----------------------------------------------------------------------------
+
+    async def plan(self, body: dict | ImageGenerationRequest, image: bytes | None = None) -> GenerationPlan:
         """Validates before any stage sees the request; an edit's image is decoded and resized off the event loop,
-        a few at a time. With ``form``, ``body`` is an edit's form fields (strings)."""
+        a few at a time."""
         with _counting_errors():
-            if self.config.edit is None:
-                if image is not None:
-                    raise _wrong_route(self.config)
-                return plan_request(body, self.config, self.tokenizer.num_tokens)
-            if form:
-                body = parse_request(body, form=True)
-            async with self.image_slots:
-                pixels = await asyncio.to_thread(load_input_image, image, self.config)
+            check_route(self.config, has_image=image is not None)
+            pixels = None
+            if image is not None:
+                async with self.image_slots:
+                    pixels = await asyncio.to_thread(load_input_image, image, self.config)
             return plan_request(body, self.config, self.tokenizer.num_tokens, pixels)
 
-    async def respond(self, plan: GenerationPlan, request_id: str | None) -> dict:
-        results = await self.run(plan, request_id)
-        request = plan.request
-        files = [encode_image(result.pixels, request.output_format, request.output_compression) for result in results]
-        return images_response(files, request, plan.height, plan.width, [result.timings for result in results])
-
-    async def run(self, plan: GenerationPlan, request_id: str | None, output: OutputMode = "pixels") -> list[Decoded]:
-        """Runs the ``n`` chains concurrently within the request's deadline."""
-        request_id = request_id or uuid.uuid4().hex
+    async def events(self, plan: GenerationPlan, request_id: str, output: OutputMode = "pixels"
+                     ) -> AsyncIterator[RequestEvent]:
+        """The request's event stream over the stage deployments, counted and logged."""
         start = time.perf_counter()
-        inputs = self.inputs(request_id, plan)
-        chains = [self.chain(f"{request_id}-{i}", plan, i, inputs, output) for i in range(plan.request.n)]
-        timeout_s = self.config.requests.timeout_s
-        try:
-            results = await asyncio.wait_for(gather_or_cancel(chains), timeout_s)
-        except asyncio.TimeoutError:
-            err = DeadlineExceededError(f"request {request_id} ran past its {timeout_s:g} s deadline")
-            _count_error(err)
-            raise err from None
-        except OmniRayError as err:
-            _count_error(err)
-            raise
+        async for event in run_request(self.stages, plan, request_id, self.config.requests, output):
+            if isinstance(event, Failed):
+                _count_error(event.error)
+                logger.warning("request %s failed: %s", request_id, event.error)
+            yield event
         seconds = time.perf_counter() - start
         metrics.request_latency.observe(seconds, tags=COORDINATOR)
-        metrics.images_generated.inc(len(results), tags=COORDINATOR)
+        metrics.images_generated.inc(plan.request.n, tags=COORDINATOR)
         logger.info("request %s: %d image(s) in %.0f ms", request_id, plan.request.n, 1000 * seconds)
-        return results
 
-    async def generate_stream(
-        self, body: dict, request_id: str | None = None, image: bytes | None = None
-    ) -> AsyncIterator[dict]:
-        """The streamed events for DeploymentHandle callers (``handle.options(stream=True)``)."""
-        async for event in self.events(await self.plan(body, image), request_id or uuid.uuid4().hex):
-            yield event
+    async def json_response(self, plan: GenerationPlan, request_id: str) -> dict:
+        results = await collect(self.events(plan, request_id))
+        request = plan.request
+        files = await asyncio.gather(*(_encode_file(result, request) for result in results))
+        return images_response(files, request, plan.height, plan.width, [result.timings for result in results])
 
-    async def events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
-        """One progress event per denoising step of each image, then each image as it is done; an error event ends
-        the stream early.
-
-        The DiT streams its progress and, at the end, a reference to the latents, which goes on to the VAE.
-        """
-        events: asyncio.Queue[dict] = asyncio.Queue()
-        start = time.perf_counter()
-        inputs = self.inputs(request_id, plan)
-
-        async def one(index: int) -> None:
-            image_id = f"{request_id}-{index}"
-            steps = self.dit.options(stream=True).denoise_stream.remote(image_id, self.params(plan, index), *inputs)
-            calls = [*inputs, steps]
-            try:
-                async for event in steps:
-                    if "latents" in event:
-                        calls.append(self.vae.decode.remote(image_id, event["latents"], "pixels"))
-                        decoded = await calls[-1]
-                    else:
-                        events.put_nowait(progress_event(plan, index, event["step"], event["total"]))
-            except BaseException:
-                for call in calls:
-                    cancel(call)
-                raise
-            request = plan.request
-            data = encode_image(decoded.pixels, request.output_format, request.output_compression)
-            events.put_nowait(completed_event(plan, index, data))
-
-        tasks = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(plan.request.n))))
-        deadline = asyncio.get_running_loop().time() + self.config.requests.timeout_s
-        try:
-            while not tasks.done() or not events.empty():
-                next_event = asyncio.ensure_future(events.get())
-                remaining = deadline - asyncio.get_running_loop().time()
-                await asyncio.wait({next_event, tasks}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
-                if next_event.done():
-                    yield next_event.result()
-                    continue
-                next_event.cancel()
-                if not tasks.done():
-                    raise DeadlineExceededError(f"request {request_id} ran past its deadline")
-            tasks.result()
-            metrics.request_latency.observe(time.perf_counter() - start, tags=COORDINATOR)
-            metrics.images_generated.inc(plan.request.n, tags=COORDINATOR)
-        except Exception as err:
-            err = stage_error(err)
-            _count_error(err)
-            yield {"type": "error", **error_body(str(err), err.error_type, getattr(err, "param", None))}
-        finally:
-            tasks.cancel()
-
-    def inputs(self, request_id: str, plan: GenerationPlan) -> list[DeploymentResponse]:
-        """Starts the stage calls every image of the request shares: the prompt's encoding and, for an edit, the
-        input image's latents. The image itself goes into the object store once and travels by reference."""
-        image = ray.put(plan.image) if plan.image is not None else None
-        request = EncodeRequest(request_id, plan.request.prompt, plan.negative_prompt)
-        calls = [self.encoder.encode.remote(request, image)]
-        if image is not None:
-            calls.append(self.vae.encode.remote(request_id, image))
-        return calls
-
-    def params(self, plan: GenerationPlan, index: int) -> DenoiseParams:
-        """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
-        return DenoiseParams(
-            plan.height, plan.width, plan.num_inference_steps, plan.seed + index, plan.request.true_cfg_scale
-        )
-
-    def chain(
-        self,
-        image_id: str,
-        plan: GenerationPlan,
-        index: int,
-        inputs: list[DeploymentResponse],
-        output: OutputMode,
-    ) -> list[DeploymentResponse]:
-        """Starts image ``index``'s DiT and VAE calls, each taking the previous responses by reference; returns
-        every call the image waits on, ``inputs`` first."""
-        latents = self.dit.denoise.remote(image_id, self.params(plan, index), *inputs)
-        if output == "latents":
-            return [*inputs, latents]
-        return [*inputs, latents, self.vae.decode.remote(image_id, latents, output)]
+    async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
+        """Progress after every denoising step of each image, each image as it is done, or one error event."""
+        async for event in self.events(plan, request_id):
+            if isinstance(event, Progress):
+                yield progress_event(plan, event.index, event.step, event.total)
+            elif isinstance(event, ImageDone):
+                data = await _encode_file(event.result, plan.request)
+                yield completed_event(plan, event.index, data, event.result.timings if plan.request.timings else None)
+            else:
+                error = event.error
+                yield {"type": "error", **error_body(str(error), error.error_type, getattr(error, "param", None))}

@@ -1,23 +1,25 @@
-"""The three stage deployments: shims that start an engine and turn each call into one awaited request.
+"""The three stage deployments: shims that start an engine and turn each call into one request in it.
 
-Arguments arrive already resolved: the coordinator passes the previous stage's ``DeploymentResponse``, and Ray
-hands its object from replica to replica, so these methods receive records, never references.
+A stage's input from another stage arrives as an ``Upstream`` (a reference the coordinator passed on without
+reading it), which the shim resolves itself: an input lost with another replica raises ``StageLostError`` naming
+that call, so the request path issues exactly that call again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
-import ray
+import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
 
 from deployments import metrics
+from deployments.serve_stages import Upstream
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
+from omni_ray.engine.output import StepDone
 from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, Latents
 from omni_ray.stages.encode import EncodedPrompt, EncodeRequest
@@ -40,21 +42,29 @@ class _EngineShim:
         metrics.running_batch_size.set(batch, tags=self.tags)
         metrics.queue_length.set(held, tags=self.tags)
 
-    async def _run(self, request, what: str, timings: dict[str, float], on_progress=None, timing: str = ""):
+    async def _run(self, request, what: str, timings: dict[str, float], timing: str = ""):
         """Runs one request in this engine: timed (into the result's ``timings``, as ``timing`` or the stage's
         name), counted, logged under its id."""
+        result = None
+        async for item in self._stream(request, what, timings, timing):
+            result = item
+        return result
+
+    async def _stream(self, request, what: str, timings: dict[str, float], timing: str = "") -> AsyncIterator:
+        """As ``_run``, yielding the engine's ``StepDone`` events before the result."""
         start = time.perf_counter()
         try:
-            result = await self.engine.generate(request, on_progress)
+            async for item in self.engine.stream(request):
+                if not isinstance(item, StepDone):
+                    seconds = time.perf_counter() - start
+                    metrics.stage_request_latency.observe(seconds, tags=self.tags)
+                    logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
+                    item.timings = {**timings, timing or self.stage: seconds}
+                yield item
         except Exception as err:
             metrics.errors.inc(tags={**self.tags, "type": type(err).__name__})
             logger.warning("request %s: %s failed: %s", request.request_id, self.stage, err)
             raise
-        seconds = time.perf_counter() - start
-        metrics.stage_request_latency.observe(seconds, tags=self.tags)
-        logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
-        result.timings = {**timings, timing or self.stage: seconds}
-        return result
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop died or one step hangs."""
@@ -101,42 +111,16 @@ class DiT(_EngineShim):
         super().__init__(lambda: build_dit_core(config))
 
     async def denoise(
-        self,
-        request_id: str,
-        params: DenoiseParams,
-        encoded: EncodedPrompt,
-        image: Latents | None = None,
-        on_progress=None,
-    ) -> Latents:
-        """Denoises one image; an edit brings its input image's latents (the VAE's ``encode``)."""
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image)
-        timings = {**encoded.timings, **(image.timings if image is not None else {})}
-        return await self._run(request, f"denoised ({params.num_inference_steps} steps)", timings, on_progress)
-
-    async def denoise_stream(
-        self, request_id: str, params: DenoiseParams, encoded: EncodedPrompt, image: Latents | None = None
-    ) -> AsyncIterator[dict]:
-        """Streams ``{"step", "total"}`` after every denoising step, then ``{"latents": ObjectRef}``.
-
-        The latents go into this replica's object store and only their reference travels, so the caller can hand
-        them to the VAE without ever holding the tensor. Closing the stream aborts the request.
-        """
-        progress: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        result = asyncio.ensure_future(
-            self.denoise(request_id, params, encoded, image, lambda done, total: progress.put_nowait((done, total)))
-        )
-        try:
-            while not result.done() or not progress.empty():
-                step = asyncio.ensure_future(progress.get())
-                await asyncio.wait({step, result}, return_when=asyncio.FIRST_COMPLETED)
-                if step.done():
-                    done, total = step.result()
-                    yield {"step": done, "total": total}
-                else:
-                    step.cancel()
-            yield {"latents": ray.put(result.result())}
-        finally:
-            result.cancel()
+        self, request_id: str, params: DenoiseParams, prompt: Upstream, image: Upstream | None = None
+    ) -> AsyncIterator[StepDone | Latents]:
+        """Denoises one image: ``StepDone`` after every step, then the latents. An edit brings its input image's
+        latents (the VAE's ``encode``). The caller reads the stream by reference; closing it aborts the request."""
+        encoded: EncodedPrompt = await prompt.resolve()
+        image_latents: Latents | None = await image.resolve() if image is not None else None
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image_latents)
+        timings = {**encoded.timings, **(image_latents.timings if image_latents is not None else {})}
+        async for item in self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings):
+            yield item
 
     def stats(self) -> dict:
         """The engine's counters, and its steps by how many requests each advanced (the step-level batching)."""
@@ -151,8 +135,9 @@ class VAE(_EngineShim):
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_vae_core(config))
 
-    async def decode(self, request_id: str, latents: Latents, output: OutputMode = "pixels") -> Decoded:
-        return await self._run(DecodeRequest(request_id, latents, output), "decoded", latents.timings)
+    async def decode(self, request_id: str, latents: Upstream, output: OutputMode = "pixels") -> Decoded:
+        resolved: Latents = await latents.resolve()
+        return await self._run(DecodeRequest(request_id, resolved, output), "decoded", resolved.timings)
 
     async def encode(self, request_id: str, image: np.ndarray) -> Latents:
         """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with."""

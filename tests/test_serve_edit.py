@@ -10,7 +10,7 @@ import requests
 
 from deployments.local import LocalServe
 from omni_ray.config import load_config
-from omni_ray.reference import load_reference, reference_edit, source_image
+from reference import load_reference, reference_edit, source_image
 
 from conftest import REPO
 from test_serve import png, stage_stats, within_one_level

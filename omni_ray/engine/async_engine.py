@@ -16,12 +16,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from omni_ray.engine.core import EngineCoreClient
-from omni_ray.engine.output import EngineCoreOutput, StepError
+from omni_ray.engine.output import EngineCoreOutput, StepDone, StepError
 from omni_ray.errors import EngineError, request_failure
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,22 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request.request_id)
             raise
+
+    async def stream(self, request) -> AsyncIterator[Any]:
+        """``StepDone`` after every step of ``request``, then its stage result. Closing the stream aborts it."""
+        steps: asyncio.Queue[StepDone] = asyncio.Queue()
+        result = asyncio.ensure_future(self.generate(request, lambda done, total: steps.put_nowait(StepDone(done, total))))
+        try:
+            while not result.done() or not steps.empty():
+                step = asyncio.ensure_future(steps.get())
+                await asyncio.wait({step, result}, return_when=asyncio.FIRST_COMPLETED)
+                if step.done():
+                    yield step.result()
+                else:
+                    step.cancel()
+            yield result.result()
+        finally:
+            result.cancel()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

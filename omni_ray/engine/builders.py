@@ -11,7 +11,7 @@ from omni_ray.engine.encoder_core import EncoderEngineCore
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.stages.decode import VaeRunner
 from omni_ray.stages.denoise import DenoiseRunner
-from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE, PromptTokenizer, VllmEncoder
+from omni_ray.stages.encode import PromptTokenizer, VllmEncoder, template_for
 
 
 def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
@@ -26,7 +26,7 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
         kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
         max_image_pixels=config.edit.max_vision_pixels if config.edit is not None else None,
     )
-    tokenizer = PromptTokenizer(config.model, EDIT if config.edit is not None else TEXT_TO_IMAGE)
+    tokenizer = PromptTokenizer(config.model, template_for(config))
     return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length)
 
 

@@ -33,6 +33,14 @@ class EngineCoreOutput:
         return cls(request_id, finish_reason="error", error=error)
 
 
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """A stepping stage's progress for one request: ``step`` of ``total`` steps are done."""
+
+    step: int
+    total: int
+
+
 class StepError(Exception):
     """A step raised past the runner's own per-request isolation: it fails the requests it ran, and only them."""
 

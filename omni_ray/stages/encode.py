@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+from omni_ray.config import PipelineConfig
+
 USER_TURN = "<|im_start|>user\n"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 TOKENIZER_MAX_LENGTH = 1024  # diffusers' tokenizer_max_length for text to image; the template's tokens come on top
@@ -58,6 +60,11 @@ EDIT = PromptTemplate(
     drop=64,
     truncates=False,
 )
+
+
+def template_for(config: PipelineConfig) -> PromptTemplate:
+    """The preset's prompt template: the edit one for Qwen-Image-Edit checkpoints."""
+    return EDIT if config.edit is not None else TEXT_TO_IMAGE
 
 
 @dataclass(slots=True)

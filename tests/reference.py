@@ -1,4 +1,11 @@
-"""diffusers' QwenImageEditPipeline as the reference for omni-ray's edits (tests and benchmarks), with two settings.
+"""References for the tests and benchmarks: the stages chained as diffusers batches them, diffusers'
+QwenImageEditPipeline with the preset's working area, and photo-like test images.
+
+``ReferencePipeline`` runs the three stage runners in one process without any engine, batching as diffusers'
+``QwenImagePipeline`` batches (all prompts together, the negative prompts in a second encoder pass, CFG's two
+passes separately, one decode): the same operations on the same values, so its pixels equal diffusers' exactly.
+
+diffusers' QwenImageEditPipeline is the reference for edits, with two settings:
 
 1. The working area. diffusers resizes the input image to 1024x1024 pixels (a constant in ``__call__``); the tiny
    preset uses 128x128, so the reference is run with ``calculate_dimensions`` given the preset's area.
@@ -18,6 +25,43 @@ import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
+
+from omni_ray.config import PipelineConfig
+from omni_ray.stages.decode import VaeRunner
+from omni_ray.stages.denoise import DenoiseParams, DenoiseRunner, uses_true_cfg
+from omni_ray.stages.encode import PromptEncoder, template_for
+
+
+class ReferencePipeline:
+    """Loads each stage runner from a preset and runs requests through them as diffusers batches them."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.encoder = PromptEncoder(
+            config.model, getattr(torch, config.encoder.dtype), config.encoder.device,
+            config.encoder.max_sequence_length, template_for(config),
+        )
+        self.denoiser = DenoiseRunner(config.model, getattr(torch, config.dit.dtype), config.dit.device)
+        self.decoder = VaeRunner(config.model, getattr(torch, config.vae.dtype), config.vae.device)
+
+    def generate(self, prompts, *, seeds, height, width, num_inference_steps, negative_prompts=None,
+                 true_cfg_scale=4.0, image=None) -> np.ndarray:
+        """Images for ``prompts`` (one seed each), as uint8 ``[B, H, W, 3]``; an edit preset edits ``image``
+        (uint8 ``[H, W, 3]`` at its working size)."""
+        assert len(seeds) == len(prompts) and (image is not None) == (self.config.edit is not None)
+        prompt_embeds = self.encoder.encode(prompts, image)
+        use_cfg = uses_true_cfg(true_cfg_scale, negative_prompts is not None)
+        negative_embeds = self.encoder.encode(negative_prompts, image) if use_cfg else [None] * len(prompts)
+        image_latents = self.decoder.encode([image])[0] if image is not None else None
+        states = [
+            self.denoiser.prepare(
+                DenoiseParams(height, width, num_inference_steps, seed, true_cfg_scale), prompt, negative, image_latents
+            )
+            for prompt, negative, seed in zip(prompt_embeds, negative_embeds, seeds)
+        ]
+        for _ in range(num_inference_steps):
+            self.denoiser.step(states, fuse_cfg=False)
+        return self.decoder.decode([self.denoiser.finish(state) for state in states])
 
 
 def load_reference(checkpoint, token_types: bool = True) -> QwenImageEditPipeline:

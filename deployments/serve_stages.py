@@ -1,0 +1,138 @@
+"""The stage protocol on Serve deployment handles: each stage's result goes to the next stage by reference.
+
+A started call's handle is its ``DeploymentResponse``. The next stage receives it as an ``Upstream``: the object
+reference inside a record, so that Ray does not resolve it on the way and the receiving stage resolves it itself.
+That tells a stage's own failure apart from a lost input: a stage whose replica died is lost in its own call; one
+whose input was lost with another replica raises ``StageLostError`` naming that call, and the request path issues
+exactly the lost call again. The DiT's stream is read as references too: progress events are fetched (they are
+small), the latents are not, so the coordinator never holds a tensor, and it owns every result it passes on (an
+object ``ray.put`` in a replica and yielded by reference can be freed before the next stage reads it).
+
+Its own module, imported by the coordinator: Serve pickles the ingress class when ``@serve.ingress`` runs, before
+anything below the class in its module is defined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+
+from omni_ray.engine.output import StepDone
+from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageLostError
+from omni_ray.request_path import DenoiseEvent, LatentsReady, Stages
+from omni_ray.stages.decode import Decoded, OutputMode
+from omni_ray.stages.denoise import DenoiseParams
+from omni_ray.stages.encode import EncodeRequest
+
+# What losing a replica (or the node holding a result) looks like to a caller. Serve reports an input lost with
+# another replica as a RayServeException whose cause is the ActorDiedError.
+LOST = (RayActorError, ObjectLostError)
+
+
+@dataclass(slots=True)
+class Upstream:
+    """A stage's result on its way to another stage, by reference, with the call that made it."""
+
+    stage: str
+    call: str
+    ref: ray.ObjectRef
+
+    async def resolve(self):
+        try:
+            return await self.ref
+        except Exception as err:
+            raise stage_error(err, self.stage, self.call) from None
+
+
+def stage_error(err: BaseException, stage: str, call: str) -> OmniRayError:
+    """What a failed stage call means to the request path, without Ray's traceback text."""
+    if isinstance(err, RayTaskError):  # the stage raised: pass its own error on
+        err = err.cause
+    if isinstance(err, OmniRayError):
+        return err
+    if isinstance(err, RayServeException) and isinstance(err.__cause__, LOST):
+        err = err.__cause__
+    if isinstance(err, LOST):
+        return StageLostError(stage, call, str(err).split("\n")[0])
+    if isinstance(err, BackPressureError):
+        return OverloadedError(f"at its queue limit ({err})", stage=stage)
+    return EngineError(f"{type(err).__name__}: {err}", stage)
+
+
+def cancel(response) -> None:
+    """Cancels a stage call; a no-op on finished ones. Cancelling a response that already failed re-raises its
+    error (Ray 2.60): it is done either way."""
+    try:
+        response.cancel()
+    except Exception:
+        pass
+
+
+class ServeStages(Stages):
+    def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle):
+        self.encoder, self.vae = encoder, vae
+        self.dit = dit.options(stream=True)
+
+    def put_image(self, image: np.ndarray) -> ray.ObjectRef:
+        return ray.put(image)
+
+    def encode_prompt(self, request: EncodeRequest, image: ray.ObjectRef | None) -> DeploymentResponse:
+        return self.encoder.encode.remote(request, image)
+
+    def encode_image(self, request_id: str, image: ray.ObjectRef) -> DeploymentResponse:
+        return self.vae.encode.remote(request_id, image)
+
+    async def denoise(
+        self,
+        request_id: str,
+        params: DenoiseParams,
+        prompt: DeploymentResponse,
+        image_latents: DeploymentResponse | None,
+    ) -> AsyncIterator[DenoiseEvent]:
+        inputs = [await _upstream(prompt, "encoder", "encode_prompt")]
+        if image_latents is not None:
+            inputs.append(await _upstream(image_latents, "vae", "encode_image"))
+        stream = self.dit.denoise.remote(request_id, params, *inputs)
+        try:
+            refs = await stream._to_object_ref_gen()
+            async for ref in refs:
+                step: StepDone = await ref
+                yield step
+                if step.step == step.total:  # the latents follow the last step, and stay where they are
+                    yield LatentsReady(await refs.__anext__())
+                    return
+            raise EngineError("the stream ended before the latents", "dit")
+        except Exception as err:
+            cancel(stream)
+            raise stage_error(err, "dit", "denoise") from None
+        except BaseException:  # cancelled, or the caller closed the stream
+            cancel(stream)
+            raise
+
+    async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode) -> Decoded:
+        response = self.vae.decode.remote(request_id, Upstream("dit", "denoise", latents), output)
+        try:
+            return await response
+        except Exception as err:
+            cancel(response)
+            raise stage_error(err, "vae", "decode") from None
+        except BaseException:
+            cancel(response)
+            raise
+
+    def cancel(self, handle: DeploymentResponse) -> None:
+        cancel(handle)
+
+
+async def _upstream(response: DeploymentResponse, stage: str, call: str) -> Upstream:
+    """The response as an ``Upstream`` (waits until Serve has assigned it to a replica, not for its result)."""
+    try:
+        return Upstream(stage, call, await response._to_object_ref())
+    except Exception as err:
+        raise stage_error(err, stage, call) from None

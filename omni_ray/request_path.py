@@ -1,0 +1,218 @@
+"""One request path: a planned request in, a stream of typed events out.
+
+``run_request`` alone owns what a request means across the stages: the CFG rule, the edit branch, the fan-out over
+``n``, the deadline, cancellation when the caller goes away, retries of lost stage calls, and error events. It
+reaches the stages through ``Stages``, a small Ray-free protocol with two implementations: the engines in one process
+(``omni_ray.pipeline.LocalStages``) and Serve deployment handles (``deployments.serve_stages.ServeStages``), which
+pass each stage's result to the next by reference. Every caller is a view of the stream: a JSON response drains it
+(``collect``), server-sent events forward it, the in-process pipeline collects it.
+
+Stage calls are deterministic in their inputs (each image's seed rides in its parameters), so a call lost with its
+replica is issued again and gives the same image; a request fails when a stage fails it, when one image has lost
+more calls than ``limits.max_retries``, or when its deadline passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omni_ray.config import RequestLimits
+from omni_ray.engine.output import StepDone
+from omni_ray.errors import DeadlineExceededError, EngineError, OmniRayError, StageLostError
+from omni_ray.protocol import GenerationPlan
+from omni_ray.stages.decode import Decoded, OutputMode
+from omni_ray.stages.denoise import DenoiseParams, uses_true_cfg
+from omni_ray.stages.encode import EncodeRequest
+
+logger = logging.getLogger(__name__)
+
+Handle = Any  # a started stage call's result: the record itself in process, a reference across Ray
+
+
+@dataclass(slots=True)
+class LatentsReady:
+    """The DiT's last event for an image: its latents, as a handle to pass to the VAE."""
+
+    latents: Handle
+
+
+DenoiseEvent = StepDone | LatentsReady
+
+
+class Stages(ABC):
+    """The stage calls a request makes. ``encode_prompt`` and ``encode_image`` start their call and return at once
+    with a handle that the request path only passes on; every failure surfaces as an ``OmniRayError`` where a
+    handle is consumed, ``StageLostError`` (naming the lost call) when a replica or its result was lost."""
+
+    @abstractmethod
+    def put_image(self, image: np.ndarray) -> Handle:
+        """An edit's input image (uint8 ``[H, W, 3]``), stored once for every call that reads it."""
+
+    @abstractmethod
+    def encode_prompt(self, request: EncodeRequest, image: Handle | None) -> Handle:
+        """Starts encoding the prompt (and the negative prompt, when given), with the edit's image."""
+
+    @abstractmethod
+    def encode_image(self, request_id: str, image: Handle) -> Handle:
+        """Starts encoding an edit's input image to the latents the DiT edits beside."""
+
+    @abstractmethod
+    def denoise(
+        self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: Handle | None
+    ) -> AsyncIterator[DenoiseEvent]:
+        """Denoises one image: ``StepDone`` after every step, then ``LatentsReady``. Closing it aborts the call."""
+
+    @abstractmethod
+    async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
+        """The image's result per ``output``: pixels, latents or both."""
+
+    @abstractmethod
+    def cancel(self, handle: Handle) -> None:
+        """Cancels a started call; a no-op on finished ones."""
+
+
+@dataclass(slots=True)
+class Progress:
+    """Image ``index`` finished denoising step ``step`` of ``total`` (a retried image may repeat steps)."""
+
+    index: int
+    step: int
+    total: int
+
+
+@dataclass(slots=True)
+class ImageDone:
+    """Image ``index`` is done."""
+
+    index: int
+    result: Decoded
+
+
+@dataclass(slots=True)
+class Failed:
+    """The request failed; nothing follows."""
+
+    error: OmniRayError
+
+
+RequestEvent = Progress | ImageDone | Failed
+
+
+async def run_request(
+    stages: Stages, plan: GenerationPlan, request_id: str, limits: RequestLimits, output: OutputMode = "pixels"
+) -> AsyncIterator[RequestEvent]:
+    """The request's events: progress per denoising step of every image, each image when it is done, or one
+    ``Failed`` that ends the stream. Leaving the stream early (or the deadline) cancels every stage call."""
+    events: asyncio.Queue[RequestEvent] = asyncio.Queue()
+    inputs = _SharedInputs(stages, plan, request_id)
+    tasks = [
+        asyncio.ensure_future(_run_image(stages, plan, inputs, index, output, limits.max_retries, events.put_nowait))
+        for index in range(plan.request.n)
+    ]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.timeout_s
+    remaining = plan.request.n
+    try:
+        while remaining:
+            try:
+                event = await asyncio.wait_for(events.get(), deadline - loop.time())
+            except TimeoutError:
+                event = Failed(DeadlineExceededError(f"request {request_id} ran past its {limits.timeout_s:g} s deadline"))
+            yield event
+            if isinstance(event, Failed):
+                return
+            remaining -= isinstance(event, ImageDone)
+    finally:
+        for task in tasks:
+            task.cancel()
+        inputs.cancel()
+
+
+async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
+    """Every image's result in index order; raises the error the request failed with."""
+    results: dict[int, Decoded] = {}
+    async for event in events:
+        if isinstance(event, Failed):
+            raise event.error
+        if isinstance(event, ImageDone):
+            results[event.index] = event.result
+    return [results[index] for index in sorted(results)]
+
+
+def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
+    """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
+    return DenoiseParams(plan.height, plan.width, plan.num_inference_steps, plan.seed + index, plan.request.true_cfg_scale)
+
+
+class _SharedInputs:
+    """The stage calls every image of a request shares: the prompt's encoding and, for an edit, the input image's
+    latents (the image itself is stored once). A lost one is issued again once, however many images lost it."""
+
+    def __init__(self, stages: Stages, plan: GenerationPlan, request_id: str):
+        self.stages, self.plan, self.request_id = stages, plan, request_id
+        self.image = stages.put_image(plan.image) if plan.image is not None else None
+        self.prompt = self._encode_prompt()
+        self.image_latents = stages.encode_image(request_id, self.image) if self.image is not None else None
+
+    def _encode_prompt(self) -> Handle:
+        request = self.plan.request
+        has_negative = request.negative_prompt is not None
+        negative = request.negative_prompt if uses_true_cfg(request.true_cfg_scale, has_negative) else None
+        return self.stages.encode_prompt(EncodeRequest(self.request_id, request.prompt, negative), self.image)
+
+    def reissue(self, call: str, lost: Handle) -> None:
+        if call == "encode_prompt" and self.prompt is lost:
+            self.prompt = self._encode_prompt()
+        elif call == "encode_image" and self.image_latents is lost:
+            self.image_latents = self.stages.encode_image(self.request_id, self.image)
+
+    def cancel(self) -> None:
+        for handle in (self.prompt, self.image_latents):
+            if handle is not None:
+                self.stages.cancel(handle)
+
+
+async def _run_image(
+    stages: Stages, plan: GenerationPlan, inputs: _SharedInputs, index: int, output: OutputMode, max_retries: int,
+    emit,
+) -> None:
+    """Image ``index`` through the DiT and the VAE, issuing a lost call again (and what depends on it) up to
+    ``max_retries`` times; emits its progress and its result, or ``Failed``."""
+    image_id = f"{inputs.request_id}-{index}"
+    params = denoise_params(plan, index)
+    latents: Handle | None = None
+    retries = 0
+    try:
+        while True:
+            call_id = image_id if not retries else f"{image_id}-retry{retries}"
+            prompt, image_latents = inputs.prompt, inputs.image_latents
+            try:
+                if latents is None:
+                    async for event in stages.denoise(call_id, params, prompt, image_latents):
+                        if isinstance(event, StepDone):
+                            emit(Progress(index, event.step, event.total))
+                        else:
+                            latents = event.latents
+                emit(ImageDone(index, await stages.decode(call_id, latents, output)))
+                return
+            except StageLostError as lost:
+                retries += 1
+                if retries > max_retries:
+                    raise
+                logger.warning("request %s: %s; issuing it again (retry %d of %d)", image_id, lost, retries, max_retries)
+                if lost.call != "decode":  # the latents are gone or were never made: denoise again
+                    latents = None
+                inputs.reissue(lost.call, prompt if lost.call == "encode_prompt" else image_latents)
+                await asyncio.sleep(0.2 * retries)  # let Serve notice the dead replica before the retry is routed
+    except OmniRayError as err:
+        emit(Failed(err))
+    except Exception as err:  # a bug: still one error event, never a hang
+        logger.exception("request %s failed", image_id)
+        emit(Failed(EngineError(f"{type(err).__name__}: {err}")))

@@ -1,0 +1,275 @@
+"""The one request path (run_request) over a fake Stages: what it sends to each stage, which handles it passes on,
+fan-out, retries of lost calls, failures, the deadline and cancellation. The engines are not the subject here;
+test_serve.py runs the same path over the real stage deployments."""
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from omni_ray.config import RequestLimits
+from omni_ray.engine.output import StepDone
+from omni_ray.errors import DeadlineExceededError, EngineError, OverloadedError, StageLostError
+from omni_ray.protocol import GenerationPlan, parse_request
+from omni_ray.request_path import Failed, ImageDone, LatentsReady, Progress, Stages, collect, run_request
+from omni_ray.stages.decode import Decoded
+
+
+class Call:
+    """A started call's handle: what the fake stage was asked, and whether it was cancelled."""
+
+    def __init__(self, name, args):
+        self.name, self.args, self.cancelled = name, args, False
+
+    def __repr__(self):
+        return f"Call({self.name})"
+
+
+class FakeStages(Stages):
+    """Records every call. ``lose`` maps a call name to how many of its calls are lost with their replica (a lost
+    encode_prompt surfaces in the denoise that reads it, as across Ray); ``fail`` to an error every such call raises;
+    ``hang`` names a call that never ends."""
+
+    def __init__(self, lose=None, fail=None, hang=None):
+        self.lose, self.fail, self.hang = dict(lose or {}), dict(fail or {}), hang
+        self.calls: list[Call] = []
+        self.lost: set[int] = set()  # ids of handles whose result was lost
+
+    def _call(self, name, *args) -> Call:
+        call = Call(name, args)
+        self.calls.append(call)
+        return call
+
+    def _loses(self, name) -> bool:
+        if self.lose.get(name, 0) > 0:
+            self.lose[name] -= 1
+            return True
+        return False
+
+    def calls_to(self, name):
+        return [call for call in self.calls if call.name == name]
+
+    def put_image(self, image):
+        return self._call("put_image", image)
+
+    def encode_prompt(self, request, image):
+        call = self._call("encode_prompt", request, image)
+        if self._loses("encode_prompt"):
+            self.lost.add(id(call))
+        return call
+
+    def encode_image(self, request_id, image):
+        return self._call("encode_image", request_id, image)
+
+    async def _run(self, call: Call):
+        if call.name in self.fail:
+            raise self.fail[call.name]
+        if self.hang == call.name:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                call.cancelled = True
+                raise
+
+    async def denoise(self, request_id, params, prompt, image_latents):
+        call = self._call("denoise", request_id, params, prompt, image_latents)
+        if id(prompt) in self.lost:
+            raise StageLostError("encoder", "encode_prompt")
+        await self._run(call)
+        for step in range(1, params.num_inference_steps + 1):
+            await asyncio.sleep(0)
+            yield StepDone(step, params.num_inference_steps)
+        if self._loses("denoise"):
+            raise StageLostError("dit", "denoise")
+        yield LatentsReady(call)
+
+    async def decode(self, request_id, latents, output):
+        call = self._call("decode", request_id, latents, output)
+        await self._run(call)
+        if self._loses("decode"):
+            raise StageLostError("vae", "decode")
+        seed = latents.args[1].seed
+        return Decoded(pixels=np.full((2, 2, 3), seed, np.uint8) if output != "latents" else None, latents=None)
+
+    def cancel(self, handle):
+        handle.cancelled = True
+
+
+LIMITS = RequestLimits(default_width=64, default_height=64, min_side=32, max_side=512, timeout_s=5.0)
+
+
+def plan(image=None, **body):
+    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=10, image=image)
+
+
+def run(stages, request, limits=LIMITS, output="pixels"):
+    async def main():
+        return [event async for event in run_request(stages, request, "r", limits, output)]
+
+    return asyncio.run(main())
+
+
+def test_the_prompt_is_encoded_once_for_n_images_each_with_its_seed_and_cfg_rule():
+    stages = FakeStages()
+    events = run(stages, plan(n=3, negative_prompt="blurry", true_cfg_scale=4))
+    (encode,) = stages.calls_to("encode_prompt")
+    assert encode.args[0].negative_prompt == "blurry" and encode.args[1] is None  # no image: text to image
+    denoises = stages.calls_to("denoise")
+    assert sorted(call.args[1].seed for call in denoises) == [10, 11, 12]
+    assert all(call.args[2] is encode for call in denoises)  # the handle itself, passed on
+    assert {call.args[1] for call in stages.calls_to("decode")} == set(denoises)
+    done = sorted((e for e in events if isinstance(e, ImageDone)), key=lambda e: e.index)
+    assert [int(e.result.pixels[0, 0, 0]) for e in done] == [10, 11, 12]
+    progress = [(e.index, e.step) for e in events if isinstance(e, Progress)]
+    assert sorted(progress) == [(i, s) for i in range(3) for s in (1, 2)]
+
+
+def test_without_a_scale_above_one_the_negative_prompt_is_not_encoded():
+    stages = FakeStages()
+    run(stages, plan(negative_prompt="blurry", true_cfg_scale=1))
+    assert stages.calls_to("encode_prompt")[0].args[0].negative_prompt is None
+
+
+def test_an_edit_stores_its_image_once_and_both_encoders_read_that_handle():
+    stages = FakeStages()
+    pixels = np.zeros((32, 64, 3), dtype=np.uint8)
+    run(stages, plan(image=pixels, n=2))
+    (put,) = stages.calls_to("put_image")
+    (encode,) = stages.calls_to("encode_prompt")
+    (image_latents,) = stages.calls_to("encode_image")
+    assert put.args[0] is pixels and encode.args[1] is put and image_latents.args == ("r", put)
+    assert all(call.args[3] is image_latents for call in stages.calls_to("denoise"))
+
+
+def test_output_mode_reaches_the_decode():
+    stages = FakeStages()
+    (result,) = asyncio.run(collect(run_request(stages, plan(), "r", LIMITS, "latents")))
+    assert result.pixels is None and stages.calls_to("decode")[0].args[2] == "latents"
+
+
+@pytest.mark.parametrize("lost", ["encode_prompt", "denoise", "decode"])
+def test_a_lost_call_is_issued_again_and_gives_the_same_images(lost):
+    reference = run(FakeStages(), plan(n=2))
+    stages = FakeStages(lose={lost: 1})
+    events = run(stages, plan(n=2))
+    assert not any(isinstance(e, Failed) for e in events)
+    images = lambda evs: sorted((e.index, e.result.pixels.tolist()) for e in evs if isinstance(e, ImageDone))
+    assert images(events) == images(reference)
+    counts = {name: len(stages.calls_to(name)) for name in ("encode_prompt", "denoise", "decode")}
+    # Only the lost call and what depends on it run again: a lost decode keeps its latents.
+    expected = {
+        "encode_prompt": {"encode_prompt": 2, "denoise": 3, "decode": 2},
+        "denoise": {"encode_prompt": 1, "denoise": 3, "decode": 2},
+        "decode": {"encode_prompt": 1, "denoise": 2, "decode": 3},
+    }[lost]
+    if lost == "encode_prompt":  # the second image may read the lost prompt too, before the first issued it again
+        counts["denoise"] = min(counts["denoise"], 3)
+        assert stages.calls_to("denoise")[-1].args[2] is stages.calls_to("encode_prompt")[1]
+    assert counts == expected
+
+
+def test_a_lost_shared_encode_is_issued_again_once_for_all_images():
+    stages = FakeStages(lose={"encode_prompt": 1})
+    events = run(stages, plan(n=3))
+    assert sum(isinstance(e, ImageDone) for e in events) == 3
+    assert len(stages.calls_to("encode_prompt")) == 2
+
+
+def test_past_the_retry_budget_the_request_fails_with_a_503_naming_the_stage():
+    stages = FakeStages(lose={"decode": 5})
+    events = run(stages, plan(), RequestLimits(min_side=32, default_width=64, default_height=64, max_retries=2))
+    assert isinstance(events[-1], Failed)
+    error = events[-1].error
+    assert isinstance(error, StageLostError) and error.status_code == 503 and error.stage == "vae"
+    assert "decode" in str(error) and len(stages.calls_to("decode")) == 3
+
+
+def test_a_failing_image_ends_the_request_and_cancels_every_other_call():
+    stages = FakeStages(fail={"decode": EngineError("bad latents", "vae")})
+    events = run(stages, plan(n=2))
+    assert isinstance(events[-1], Failed) and str(events[-1].error) == "vae: bad latents"
+    assert sum(isinstance(e, Failed) for e in events) == 1
+    assert stages.calls_to("encode_prompt")[0].cancelled
+
+
+def test_the_deadline_ends_the_request_and_cancels_its_calls():
+    stages = FakeStages(hang="decode")
+    events = run(stages, plan(n=2), RequestLimits(min_side=32, default_width=64, default_height=64, timeout_s=0.2))
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, DeadlineExceededError)
+    assert "0.2 s deadline" in str(events[-1].error) and events[-1].error.status_code == 504
+
+    async def settle():  # the cancelled image tasks run their clean-up on the next turns of the loop
+        await asyncio.sleep(0.05)
+
+    asyncio.run(settle())
+    assert all(call.cancelled for call in stages.calls_to("decode")) and len(stages.calls_to("decode")) == 2
+    assert stages.calls_to("encode_prompt")[0].cancelled
+
+
+def test_a_caller_that_leaves_cancels_every_call():
+    stages = FakeStages(hang="decode")
+
+    async def main():
+        events = run_request(stages, plan(n=2), "r", LIMITS)
+        first = await events.__anext__()  # some progress, then the caller goes away
+        await events.aclose()
+        await asyncio.sleep(0.05)
+        return first
+
+    assert isinstance(asyncio.run(main()), Progress)
+    assert stages.calls_to("encode_prompt")[0].cancelled
+    assert all(call.cancelled for call in stages.calls_to("decode"))
+
+
+def test_collect_raises_the_error_and_orders_images_by_index():
+    stages = FakeStages()
+    results = asyncio.run(collect(run_request(stages, plan(n=3), "r", LIMITS)))
+    assert [int(r.pixels[0, 0, 0]) for r in results] == [10, 11, 12]
+    with pytest.raises(OverloadedError):
+        asyncio.run(collect(run_request(FakeStages(fail={"decode": OverloadedError("full")}), plan(), "r", LIMITS)))
+
+
+def test_stage_errors_from_ray_name_the_lost_call():
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import BackPressureError, RayServeException
+
+    from deployments.serve_stages import stage_error
+
+    died = ActorDiedError()
+    upstream = RayServeException("Request to deployment 'DiT' failed because an upstream actor died")
+    upstream.__cause__ = died
+    for err in (died, upstream):
+        mapped = stage_error(err, "dit", "denoise")
+        assert isinstance(mapped, StageLostError) and mapped.call == "denoise" and mapped.stage == "dit"
+    full = stage_error(BackPressureError(num_queued_requests=8, max_queued_requests=8), "vae", "decode")
+    assert isinstance(full, OverloadedError) and not isinstance(full, StageLostError) and full.stage == "vae"
+    assert stage_error(EngineError("bad", "vae"), "dit", "denoise").stage == "vae"  # a stage's own error passes
+
+
+def test_a_503_carries_retry_after():
+    import json
+
+    from deployments.coordinator import _omni_ray_error
+
+    response = asyncio.run(_omni_ray_error(None, StageLostError("vae", "decode", retry_after_s=5.0)))
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    body = json.loads(response.body)["error"]
+    assert body["type"] == "overloaded_error" and body["message"].startswith("vae: the replica running decode")
+
+
+def test_an_image_sent_through_the_handle_to_a_text_to_image_app_is_refused(tiny_dir):
+    from deployments.coordinator import Coordinator
+    from omni_ray.config import load_config
+    from omni_ray.errors import RequestError
+    from omni_ray.stages.encode import PromptTokenizer
+
+    from conftest import REPO
+
+    config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
+    fake = SimpleNamespace(config=config, tokenizer=PromptTokenizer(config.model))
+    with pytest.raises(RequestError, match="does not edit images") as info:
+        asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}, image=b"\x89PNG..."))
+    assert info.value.param == "image"
+    planned = asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}))
+    assert planned.image is None and planned.request.prompt == "a cat"
