@@ -24,7 +24,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import uuid
 
 from benchmarks.engine_throughput import PROMPTS, REPO, RESULTS, best_time, machine, save_figure
 
@@ -36,10 +35,9 @@ def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
     from diffusers.utils import logging as diffusers_logging
 
     from omni_ray.config import load_config
-    from omni_ray.engine.pipeline import EnginePipeline
+    from omni_ray.pipeline import Pipeline
     from omni_ray.protocol import load_input_image
     from tests.reference import load_reference, reference_edit, source_image
-    from omni_ray.stages.denoise import DenoiseParams
     from omni_ray.tiny import write_checkpoint
 
     checkpoint = pathlib.Path.home() / ".cache" / "omni-ray" / "bench-small-edit"
@@ -78,12 +76,12 @@ def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
         print(f"b={b}: diffusers {b / seconds:.2f} edits/s", flush=True)
 
     # The engines last: starting vLLM binds this process's threads.
-    pipeline = EnginePipeline.from_config(config)
+    pipeline = Pipeline(config)
 
     async def edit(b: int):
         return await asyncio.gather(*(
-            pipeline.generate(uuid.uuid4().hex, PROMPTS[i % len(PROMPTS)],
-                              DenoiseParams(height, width, steps, i, true_cfg_scale=4.0), NEGATIVE, image=images[i])
+            pipeline.generate({"prompt": PROMPTS[i % len(PROMPTS)], "negative_prompt": NEGATIVE, "seed": i,
+                               "num_inference_steps": steps, "true_cfg_scale": 4.0}, images[i])
             for i in range(b)
         ))
 
@@ -91,7 +89,7 @@ def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
     for entry in results["batches"]:
         entry["ours_s"] = best_time(lambda: asyncio.run(edit(entry["batch"])), repeats)
         print(f"b={entry['batch']}: omni-ray {entry['batch'] / entry['ours_s']:.2f} edits/s", flush=True)
-    results["dit_batch_sizes"] = dict(sorted(pipeline.dit.core.scheduler.batch_sizes.items()))
+    results["dit_batch_sizes"] = dict(sorted(pipeline.stages.dit.core.scheduler.batch_sizes.items()))
     pipeline.shutdown()
     for entry in results["batches"]:
         b = entry["batch"]

@@ -69,7 +69,7 @@ def worker(size: str, batches: list[int], steps: int, repeats: int) -> dict:
 
     from omni_ray.config import load_config
     from omni_ray.engine.builders import build_dit_core
-    from omni_ray.engine.pipeline import EnginePipeline
+    from omni_ray.pipeline import Pipeline
     from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
     from omni_ray.stages.encode import PromptEncoder
     from omni_ray.tiny import write_checkpoint
@@ -135,12 +135,14 @@ def worker(size: str, batches: list[int], steps: int, repeats: int) -> dict:
               flush=True)
 
     # The end-to-end engines last: starting vLLM binds this process's threads.
-    pipeline = EnginePipeline.from_config(config)
+    pipeline = Pipeline(config)
 
     async def serve(batch):
-        return await asyncio.gather(
-            *(pipeline.generate(uuid.uuid4().hex, prompt, params(seed), negative) for prompt, seed in batch)
-        )
+        return await asyncio.gather(*(
+            pipeline.generate({"prompt": prompt, "negative_prompt": negative, "size": f"{width}x{height}", "seed": seed,
+                               "num_inference_steps": steps, "true_cfg_scale": 4.0})
+            for prompt, seed in batch
+        ))
 
     asyncio.run(serve(requests_for(2)))  # warm-up
     for entry in results["batches"]:

@@ -53,6 +53,7 @@ class LocalServe:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> LocalServe:
+        self.started_at = time.time()
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(self.config))
         subprocess.run(
             [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",

@@ -12,6 +12,18 @@ class OmniRayError(Exception):
     status_code = 500
     error_type = "server_error"
 
+    def __reduce__(self):
+        # Errors cross Ray's process boundaries. Exception's own pickling calls cls(*args), which does not fit
+        # constructors that take other arguments than the message; this restores the same fields instead.
+        return _restore, (type(self), self.args, self.__dict__)
+
+
+def _restore(cls: type[OmniRayError], args: tuple, state: dict) -> OmniRayError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class RequestError(OmniRayError):
     """The request is invalid: a parameter out of range, a modality the preset does not support."""

@@ -273,3 +273,16 @@ def test_an_image_sent_through_the_handle_to_a_text_to_image_app_is_refused(tiny
     assert info.value.param == "image"
     planned = asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}))
     assert planned.image is None and planned.request.prompt == "a cat"
+
+
+@pytest.mark.parametrize("error", [
+    StageLostError("encoder", "encode_prompt", "the actor died", 5.0),
+    OverloadedError("out of memory", 5.0, "vae"),
+    EngineError("RuntimeError: boom", "dit"),
+    DeadlineExceededError("past its deadline"),
+])
+def test_errors_survive_pickling_as_they_cross_replicas(error):
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error) and copy.__dict__ == error.__dict__
