@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import signal
-import sys
-import threading
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
@@ -32,18 +29,20 @@ class AppArgs(BaseModel):
 
 def build_app(args: dict) -> Application:
     """Binds the coordinator to the three stage deployments, each built from its stage config."""
-    _stop_on_sigterm()
     app_args = AppArgs.model_validate(args)
     config = load_config(resolve_stage_config(app_args.stage_config), model=app_args.model)
     encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
     dit = stage_deployment(DiT, config.dit.deployment).bind(config)
     vae = stage_deployment(VAE, config.vae.deployment).bind(config)
-    return stage_deployment(Coordinator, config.coordinator).bind(encoder, dit, vae, config)
+    # A coordinator replica being replaced (a redeploy, a scale-down) finishes the requests it holds, which may run
+    # up to their deadline; a stage replica's calls that outlive Serve's default wait are issued again elsewhere.
+    drain = {"graceful_shutdown_timeout_s": config.requests.timeout_s}
+    return stage_deployment(Coordinator, config.coordinator, **drain).bind(encoder, dit, vae, config)
 
 
-def stage_deployment(cls: type, options: DeploymentConfig) -> serve.Deployment:
-    """A Serve deployment of ``cls`` with the preset's placement options."""
-    return serve.deployment(cls).options(**deployment_options(options))
+def stage_deployment(cls: type, options: DeploymentConfig, **more) -> serve.Deployment:
+    """A Serve deployment of ``cls`` with the preset's placement options (and ``more`` of Serve's)."""
+    return serve.deployment(cls).options(**deployment_options(options), **more)
 
 
 def deployment_options(options: DeploymentConfig) -> dict:
@@ -69,20 +68,3 @@ def resolve_stage_config(path: str) -> pathlib.Path:
         return candidate
     return REPO / candidate
 
-
-def _stop_on_sigterm() -> None:
-    """Makes ``serve run`` stop on SIGTERM as it stops on Ctrl-C.
-
-    ``serve run`` shuts the app down gracefully on KeyboardInterrupt, but SIGTERM (how Kubernetes and process
-    managers stop a process) ends it at once: the stage replicas' shutdown paths never run, and vLLM leaves a
-    ``/tmp/vllm_dist_*`` file per encoder replica. The builder runs in the ``serve run`` process's main thread, so
-    there it turns SIGTERM into a KeyboardInterrupt; anywhere else (Serve's controller building the app for a
-    RayService, a Ray worker) it changes nothing.
-    """
-    if pathlib.Path(sys.argv[0]).name == "serve" and sys.argv[1:2] == ["run"]:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _interrupt)
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt

@@ -234,6 +234,8 @@ class Coordinator:
             if isinstance(event, Failed):
                 _count_error(event.error)
                 logger.warning("request %s failed: %s", request_id, event.error)
+                yield event
+                return
             yield event
         seconds = time.perf_counter() - start
         metrics.request_latency.observe(seconds, tags=COORDINATOR)

@@ -15,6 +15,7 @@ more calls than ``limits.max_retries``, or when its deadline passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -138,11 +139,12 @@ async def run_request(
 async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
     """Every image's result in index order; raises the error the request failed with."""
     results: dict[int, Decoded] = {}
-    async for event in events:
-        if isinstance(event, Failed):
-            raise event.error
-        if isinstance(event, ImageDone):
-            results[event.index] = event.result
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, ImageDone):
+                results[event.index] = event.result
     return [results[index] for index in sorted(results)]
 
 

@@ -3,6 +3,7 @@ images.edit, multipart HTTP and the Python client, with pixels checked against d
 
 import io
 import json
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.serve
 @pytest.fixture(scope="module")
 def served(edit_dir):
     with LocalServe(REPO / "config.edit.yaml", model=str(edit_dir)) as local:
-        yield {"base": local.base_url, "address": local.address}
+        yield {"base": local.base_url, "address": local.address, "local": local}
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +151,18 @@ def test_bad_edits_get_a_4xx_naming_the_field_and_never_reach_a_stage(served):
     after = stage_stats(served)
     assert {name: stats["requests"] for name, stats in after.items()} == \
         {name: stats["requests"] for name, stats in before.items()}
+
+
+def test_ctrl_c_stops_serve_run_within_10_s_and_leaves_no_vllm_file(served):
+    """Last in this module: it stops the app, as a person at the terminal does. vLLM's encoder rendezvouses over
+    loopback TCP, so no /tmp/vllm_dist_* file exists to be left behind, however a replica ends."""
+    import glob
+    import os
+    import signal
+
+    assert not [f for f in glob.glob("/tmp/vllm_dist_*") if os.path.getmtime(f) >= served["local"].started_at]
+    process = served["local"].process
+    start = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=30)
+    assert time.monotonic() - start < 10

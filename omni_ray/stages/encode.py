@@ -317,7 +317,7 @@ class VllmEncoder:
             pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
             **modality,
         ).create_engine_config()
-        self.core = EngineCore(self.config, UniProcExecutor, log_stats=False)
+        self.core = EngineCore(self.config, _loopback_executor(UniProcExecutor), log_stats=False)
         self.pooling_params = PoolingParams(task="token_embed", use_activation=False)
         self.pooling_params.verify(self.config.model_config)
         self.input_processor = InputProcessor(self.config) if vision else None
@@ -362,3 +362,20 @@ class VllmEncoder:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+def _loopback_executor(uniproc_executor: type) -> type:
+    """vLLM's in-process executor, rendezvousing over a loopback TCP port instead of a file.
+
+    On a CPU, vLLM 0.32 sets up its one-process torch.distributed group through a ``/tmp/vllm_dist_*`` file, which
+    only a clean engine shutdown removes: a replica that is killed (SIGKILL, a node stopped, ``serve run`` stopped
+    with SIGTERM) leaves it behind. A TCP store leaves nothing.
+    """
+    from vllm.utils.network_utils import get_distributed_init_method, get_loopback_ip, get_open_port
+
+    class LoopbackUniProcExecutor(uniproc_executor):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            _, rank, local_rank = super()._distributed_args()
+            return get_distributed_init_method(get_loopback_ip(), get_open_port()), rank, local_rank
+
+    return LoopbackUniProcExecutor
