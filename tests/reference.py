@@ -41,8 +41,8 @@ class ReferencePipeline:
             config.model, getattr(torch, config.encoder.dtype), config.encoder.device,
             config.encoder.max_sequence_length, template_for(config),
         )
-        self.denoiser = DenoiseRunner(config.model, getattr(torch, config.dit.dtype), config.dit.device)
-        self.decoder = VaeRunner(config.model, getattr(torch, config.vae.dtype), config.vae.device)
+        self.denoiser = DenoiseRunner.load(config.model, getattr(torch, config.dit.dtype), config.dit.device)
+        self.decoder = VaeRunner.load(config.model, getattr(torch, config.vae.dtype), config.vae.device)
 
     def generate(self, prompts, *, seeds, height, width, num_inference_steps, negative_prompts=None,
                  true_cfg_scale=4.0, image=None) -> np.ndarray:

@@ -30,7 +30,7 @@ SCALES = [4.0, 2.5, 6.0, 4.0]
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
-    return DenoiseRunner(str(tiny_dir))
+    return DenoiseRunner.load(str(tiny_dir))
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,7 @@ def test_diffusers_as_pinned_drops_mrope_for_the_image(config, edit_dir, referen
 
 
 def test_vae_encodes_same_size_images_together_as_diffusers_does(config, edit_dir, reference):
-    runner = VaeRunner(str(edit_dir))
+    runner = VaeRunner.load(str(edit_dir))
     images = [load_input_image(png(source_image(w, h, seed)), config) for seed, (w, h) in
               enumerate([(180, 100), (200, 110), (120, 240)])]
     assert images[0].shape == images[1].shape != images[2].shape
@@ -124,8 +124,8 @@ def test_vae_encodes_same_size_images_together_as_diffusers_does(config, edit_di
 
 def test_dit_batches_edits_of_one_key_and_keeps_each_result(config, edit_dir):
     encoder = PromptEncoder(str(edit_dir), template=EDIT)
-    vae = VaeRunner(str(edit_dir))
-    runner = DenoiseRunner(str(edit_dir))
+    vae = VaeRunner.load(str(edit_dir))
+    runner = DenoiseRunner.load(str(edit_dir))
     wide = [load_input_image(png(source_image(180, 100, seed)), config) for seed in range(3)]
     tall = load_input_image(png(source_image(120, 240, 9)), config)
 

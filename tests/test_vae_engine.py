@@ -12,7 +12,7 @@ from omni_ray.stages.denoise import Latents
 
 @pytest.fixture(scope="module")
 def decoder(tiny_dir):
-    return VaeRunner(str(tiny_dir))
+    return VaeRunner.load(str(tiny_dir))
 
 
 def latents(seed, height=64, width=64):

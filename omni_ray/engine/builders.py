@@ -32,11 +32,11 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
 
 def build_dit_core(config: PipelineConfig) -> EngineCore:
     stage = config.dit
-    runner = DenoiseRunner(config.model, getattr(torch, stage.dtype), stage.device)
+    runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device)
     return EngineCore(DiTScheduler(stage.max_batch_size, stage.max_wait_steps), runner)
 
 
 def build_vae_core(config: PipelineConfig) -> EngineCore:
     stage = config.vae
-    runner = VaeRunner(config.model, getattr(torch, stage.dtype), stage.device)
+    runner = VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device)
     return EngineCore(VAEScheduler(stage.max_batch_size), runner)

@@ -93,17 +93,21 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
 
 
 class VaeRunner:
-    """Loads the VAE; decodes batches of same-size latents and encodes batches of same-size images."""
+    """Holds the VAE; decodes batches of same-size latents and encodes batches of same-size images."""
 
-    def __init__(self, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        self.device = torch.device(device)
-        self.vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype)
-        self.vae.to(self.device).eval()
-        assert 2 ** len(self.vae.temperal_downsample) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
+    def __init__(self, vae: AutoencoderKLQwenImage):
+        self.vae = vae.eval()
+        self.device = vae.device
+        assert 2 ** len(vae.temperal_downsample) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
         self.image_processor = VaeImageProcessor(vae_scale_factor=SIZE_MULTIPLE)
-        z_dim = self.vae.config.z_dim
-        self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-        self.latents_std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+        z_dim = vae.config.z_dim
+        self.latents_mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
+        self.latents_std = torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+
+    @classmethod
+    def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> VaeRunner:
+        """The runner of a checkpoint's ``vae/``."""
+        return cls(AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device))
 
     def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
         """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones

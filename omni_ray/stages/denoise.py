@@ -138,18 +138,22 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
 
 
 class DenoiseRunner:
-    """Loads the transformer and the scheduler config; prepares request states and steps batches of them."""
+    """Holds the transformer and the scheduler config; prepares request states and steps batches of them."""
 
-    def __init__(self, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(self, transformer: QwenImageTransformer2DModel, scheduler_config: dict):
         self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
-        self.transformer.to(self.device).eval()
-        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
+        self.transformer = transformer.eval()
+        self.device, self.dtype = transformer.device, transformer.dtype
+        self.scheduler_config = scheduler_config
+        self.num_channels_latents = transformer.config.in_channels // 4
+
+    @classmethod
+    def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DenoiseRunner:
+        """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``)."""
+        transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
         assert 2 ** len(vae_config["temperal_downsample"]) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
-        self.num_channels_latents = self.transformer.config.in_channels // 4
+        return cls(transformer.to(device), FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler"))
 
     def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
         """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
