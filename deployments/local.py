@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
+import psutil
 import yaml
 
 BIN = pathlib.Path(sys.executable).parent
@@ -63,6 +64,7 @@ class LocalServe:
         self.process = subprocess.Popen(
             [str(BIN / "serve"), "run", "config.yaml", f"--address={self.address}"],
             cwd=self.workdir, env=self.env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,  # a signal sent to it (tests send SIGINT and SIGTERM) stays with it
         )
         try:
             self._wait_ready()
@@ -79,6 +81,30 @@ class LocalServe:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+
+    def store_bytes(self) -> int:
+        """Bytes in the cluster's object store that requests can account for: what Serve's controller keeps of
+        the replicas it started (one more for every replica it replaced) is left out. Needs ``ray.init`` here."""
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address, memory_summary
+
+        used = get_memory_info_reply(get_state_from_address(self.address)).store_stats.object_store_bytes_used
+        controllers = {str(p.pid) for p in psutil.process_iter(["cmdline"])
+                       if (p.info["cmdline"] or [""])[0].startswith("ray::ServeController")}
+        held = {}  # object id -> (size, pids holding it), from the table `ray memory` prints
+        for line in memory_summary(self.address, line_wrap=False, stats_only=False).splitlines():
+            cells = [cell.strip() for cell in line.split("|")]
+            if len(cells) >= 8 and cells[5].endswith(" B"):
+                size, pids = held.get(cells[-1], (float(cells[5][:-2]), set()))
+                held[cells[-1]] = (size, pids | {cells[1]})
+        # Objects past 100 KiB live in the store; smaller ones inline in their owner's memory.
+        return used - int(sum(size for size, pids in held.values() if size >= 100 * 1024 and pids <= controllers))
+
+    def replica_pids(self) -> dict[str, int]:
+        """The Serve replicas' process ids, by deployment name (Ray titles each replica's process)."""
+        prefix = "ray::ServeReplica:"  # then "<app>:<deployment>", and ".<method>" while one runs
+        return {cmd.removeprefix(prefix).split(":")[1].split(".")[0].split()[0]: p.pid
+                for p in psutil.process_iter(["cmdline"])
+                if (cmd := (p.info["cmdline"] or [""])[0]).startswith(prefix)}
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

@@ -125,7 +125,8 @@ async def run_request(
             try:
                 event = await asyncio.wait_for(events.get(), deadline - loop.time())
             except TimeoutError:
-                event = Failed(DeadlineExceededError(f"request {request_id} ran past its {limits.timeout_s:g} s deadline"))
+                late = DeadlineExceededError(f"request {request_id} ran past its {limits.timeout_s:g} s deadline")
+                event = Failed(late)
             yield event
             if isinstance(event, Failed):
                 return
@@ -150,7 +151,8 @@ async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
 
 def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
     """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
-    return DenoiseParams(plan.height, plan.width, plan.num_inference_steps, plan.seed + index, plan.request.true_cfg_scale)
+    request = plan.request
+    return DenoiseParams(plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale)
 
 
 class _SharedInputs:
@@ -208,7 +210,8 @@ async def _run_image(
                 retries += 1
                 if retries > max_retries:
                     raise
-                logger.warning("request %s: %s; issuing it again (retry %d of %d)", image_id, lost, retries, max_retries)
+                logger.warning("request %s: %s; issuing it again (retry %d of %d)", image_id, lost, retries,
+                               max_retries)
                 if lost.call != "decode":  # the latents are gone or were never made: denoise again
                     latents = None
                 inputs.reissue(lost.call, prompt if lost.call == "encode_prompt" else image_latents)

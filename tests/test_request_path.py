@@ -154,7 +154,9 @@ def test_a_lost_call_is_issued_again_and_gives_the_same_images(lost):
     stages = FakeStages(lose={lost: 1})
     events = run(stages, plan(n=2))
     assert not any(isinstance(e, Failed) for e in events)
-    images = lambda evs: sorted((e.index, e.result.pixels.tolist()) for e in evs if isinstance(e, ImageDone))
+    def images(evs):
+        return sorted((e.index, e.result.pixels.tolist()) for e in evs if isinstance(e, ImageDone))
+
     assert images(events) == images(reference)
     counts = {name: len(stages.calls_to(name)) for name in ("encode_prompt", "denoise", "decode")}
     # Only the lost call and what depends on it run again: a lost decode keeps its latents.

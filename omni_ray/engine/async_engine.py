@@ -88,7 +88,10 @@ class AsyncEngine:
     async def stream(self, request) -> AsyncIterator[Any]:
         """``StepDone`` after every step of ``request``, then its stage result. Closing the stream aborts it."""
         steps: asyncio.Queue[StepDone] = asyncio.Queue()
-        result = asyncio.ensure_future(self.generate(request, lambda done, total: steps.put_nowait(StepDone(done, total))))
+        def on_progress(done: int, total: int) -> None:
+            steps.put_nowait(StepDone(done, total))
+
+        result = asyncio.ensure_future(self.generate(request, on_progress))
         try:
             while not result.done() or not steps.empty():
                 step = asyncio.ensure_future(steps.get())

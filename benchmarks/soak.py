@@ -1,0 +1,281 @@
+"""Soak: thousands of mixed requests on the served app, 16 at a time; nothing lost, no memory growth, no leftovers.
+
+    .venv/bin/python -m benchmarks.soak [--requests 2000] [--edits 500] [--concurrency 16]
+
+Two phases, each on a fresh local cluster (``deployments.local.LocalServe``):
+
+- ``config.yaml`` (tiny text-to-image preset): text to image with n 1-3, a quarter streamed, a tenth invalid (each
+  must be a 400 naming its field) and a twentieth cancelled by the client mid-flight;
+- ``config.edit.yaml`` (tiny edit preset): multipart edits of generated photos, a quarter streamed, a tenth invalid.
+
+A valid request is lost unless it comes back 200 with all its images (a stream: all its ``completed`` events and no
+``error`` event) within its deadline. Every 2 s it samples each replica's resident memory (RSS) and the object store.
+It passes when nothing was lost, no replica grew by 50 MB or more after warm-up (the first fifth of the requests),
+and the object store came back to its baseline. Writes benchmarks/results/soak.json and soak.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import http.client
+import io
+import json
+import pathlib
+import threading
+import time
+
+import numpy as np
+
+from benchmarks.engine_throughput import REPO, RESULTS, machine, save_figure
+
+MAX_GROWTH_MB = 50.0
+INVALID = [  # (body, the param the 400 must name)
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "a cat", "size": "65x64"}, "size"),
+    ({"prompt": "a cat", "n": 0}, "n"),
+    ({"prompt": "a cat", "num_inference_steps": 500}, "num_inference_steps"),
+    ({"prompt": "a cat", "true_cfg_scale": "high"}, "true_cfg_scale"),
+    ({"prompt": "a cat", "style": "vivid"}, "style"),
+]
+
+
+class Client:
+    """One HTTP request at a time on loopback: JSON, a stream, or a request abandoned after ``hang_up_s``."""
+
+    def __init__(self, base_url: str):
+        host, port = base_url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+
+    def send(self, path: str, body: bytes, content_type: str, timeout: float, hang_up_s: float | None = None):
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=hang_up_s or timeout)
+        try:
+            connection.request("POST", path, body, {"Content-Type": content_type})
+            response = connection.getresponse()
+            return response.status, response.read()
+        except TimeoutError:
+            if hang_up_s is not None:
+                return None, b""  # hung up, as a client that went away
+            raise
+        finally:
+            connection.close()
+
+
+def multipart(fields: dict, image: bytes) -> tuple[bytes, str]:
+    boundary = "soakboundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="in.png"\r\n'
+                 "Content-Type: image/png\r\n\r\n".encode() + image + b"\r\n")
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def photo(seed: int, width: int = 160, height: int = 112) -> bytes:
+    """A small photo-like PNG: gradients and noise."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    pixels = np.stack([x, y, 1 - x * y], axis=-1) * rng.uniform(120, 255, 3) + rng.normal(0, 8, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def check(status, data: bytes, n: int, streamed: bool) -> str | None:
+    """None when the answer holds all ``n`` images; else what was wrong."""
+    if status != 200:
+        return f"{status}: {data[:300]!r}"
+    if streamed:
+        events = [json.loads(line[6:]) for line in data.split(b"\n") if line.startswith(b"data: ")]
+        errors = [e for e in events if e["type"] == "error"]
+        images = [e["b64_json"] for e in events if e["type"].endswith(".completed")]
+        if errors:
+            return f"error event: {errors[0]['error']['message'][:300]}"
+    else:
+        images = [item["b64_json"] for item in json.loads(data)["data"]]
+    if len(images) != n or any(not base64.b64decode(b).startswith(b"\x89PNG") for b in images):
+        return f"{len(images)} of {n} images"
+    return None
+
+
+def one_request(client: Client, i: int, edit: bool, timeout: float) -> tuple[str, str | None, float]:
+    """Request ``i`` of the mix: (kind, problem or None, seconds)."""
+    start = time.monotonic()
+    path = "/v1/images/edits" if edit else "/v1/images/generations"
+    if i % 10 == 0:
+        body, param = INVALID[i // 10 % len(INVALID)]
+        if edit:
+            data, content_type = multipart({k: v for k, v in body.items()}, photo(i))
+        else:
+            data, content_type = json.dumps(body).encode(), "application/json"
+        status, answer = client.send(path, data, content_type, timeout)
+        got = json.loads(answer).get("error", {}).get("param") if answer else None
+        return "invalid", None if (status, got) == (400, param) else f"{status} naming {got}", time.monotonic() - start
+    n, streamed = 1 + i % 3, i % 4 == 1
+    body = {"prompt": f"a quiet harbour, take {i % 11}", "seed": i, "n": n, "num_inference_steps": 2 + i % 5,
+            **({"negative_prompt": "blurry"} if i % 2 else {}), **({"stream": True} if streamed else {})}
+    if not edit:
+        body["size"] = ("64x64", "96x64", "64x96")[i % 3]
+    if edit:
+        data, content_type = multipart({k: str(v).lower() if isinstance(v, bool) else v for k, v in body.items()},
+                                       photo(i))
+    else:
+        data, content_type = json.dumps(body).encode(), "application/json"
+    if i % 20 == 7:
+        status, _ = client.send(path, data, content_type, timeout, hang_up_s=0.2)
+        return "cancelled", None, time.monotonic() - start
+    status, answer = client.send(path, data, content_type, timeout)
+    kind = "streamed" if streamed else "json"
+    return kind, check(status, answer, n, streamed), time.monotonic() - start
+
+
+class Sampler(threading.Thread):
+    """Every ``period_s``: each Serve replica's RSS (MB) and the object store's bytes, until stopped."""
+
+    def __init__(self, served, period_s: float = 2.0):
+        super().__init__(daemon=True)
+        self.served, self.period_s = served, period_s
+        self.samples: list[dict] = []
+        self.done = threading.Event()
+
+    def sample(self) -> dict:
+        import psutil
+
+        rss = {}
+        for name, pid in self.served.replica_pids().items():
+            try:
+                rss[name] = psutil.Process(pid).memory_info().rss / 2**20
+            except psutil.NoSuchProcess:
+                pass
+        return {"t": time.monotonic(), "rss_mb": rss, "store_bytes": self.served.store_bytes()}
+
+    def run(self) -> None:
+        while not self.done.wait(self.period_s):
+            self.samples.append(self.sample())
+
+
+def phase(config: str, count: int, concurrency: int, edit: bool, timeout: float = 300.0) -> dict:
+    import ray
+
+    from deployments.local import LocalServe
+
+    print(f"{config}: {count} requests, {concurrency} at a time", flush=True)
+    with LocalServe(REPO / config) as served:
+        ray.init(address=served.address, log_to_driver=False)
+        try:  # disconnect before LocalServe stops the cluster (`ray stop --force` ends connected drivers too)
+            outcomes, elapsed, sampler, warm_at, baseline, end = drive(served, count, concurrency, edit, timeout)
+        finally:
+            ray.shutdown()
+    return summarize(config, outcomes, elapsed, sampler.samples, warm_at, baseline, end)
+
+
+def drive(served, count: int, concurrency: int, edit: bool, timeout: float):
+    """Sends the mix while the sampler runs; waits up to 30 s for the object store to drain."""
+    sampler = Sampler(served)
+    baseline = sampler.sample()
+    sampler.start()
+    client = Client(served.base_url)
+    done = [0]
+    warm_at = [None]
+
+    def run(i):
+        outcome = one_request(client, i, edit, timeout)
+        done[0] += 1
+        if done[0] == max(1, count // 5):
+            warm_at[0] = time.monotonic()
+        return outcome
+
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        outcomes = list(pool.map(run, range(count)))
+    elapsed = time.monotonic() - start
+    deadline = time.monotonic() + 30
+    while (end := sampler.sample())["store_bytes"] > baseline["store_bytes"] and time.monotonic() < deadline:
+        time.sleep(1)
+    sampler.done.set()
+    sampler.join()
+    return outcomes, elapsed, sampler, warm_at[0] or start, baseline, end
+
+
+def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dict:
+    kinds: dict[str, int] = {}
+    for kind, _, _ in outcomes:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    problems = [(kind, problem) for kind, problem, _ in outcomes if problem is not None]
+    latencies = np.array([seconds for kind, problem, seconds in outcomes if kind in ("json", "streamed")])
+    warm = [s for s in samples if s["t"] >= warm_at]
+    growth = {}
+    for name in sorted({n for s in warm for n in s["rss_mb"]}):
+        series = [s["rss_mb"][name] for s in warm if name in s["rss_mb"]]
+        growth[name] = round(series[-1] - series[0], 1) if series else None
+    t0 = samples[0]["t"] if samples else 0.0
+    return {
+        "config": config,
+        "requests": len(outcomes),
+        "by_kind": kinds,
+        "lost": len(problems),
+        "problems": [f"{kind}: {problem}" for kind, problem in problems[:10]],
+        "seconds": round(elapsed, 1),
+        "requests_per_s": round(len(outcomes) / elapsed, 2),
+        "latency_s": {f"p{q}": round(float(np.percentile(latencies, q)), 3) for q in (50, 95, 99)},
+        "rss_growth_after_warmup_mb": growth,
+        "store_bytes": {"baseline": baseline["store_bytes"], "end": end["store_bytes"]},
+        "samples": [{"t": round(s["t"] - t0, 1), "rss_mb": {k: round(v, 1) for k, v in s["rss_mb"].items()},
+                     "store_bytes": s["store_bytes"]} for s in samples],
+    }
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(report["phases"]), figsize=(6 * len(report["phases"]), 4.5), squeeze=False)
+    for ax, phase_report in zip(axes[0], report["phases"]):
+        samples = phase_report["samples"]
+        for name in sorted({n for s in samples for n in s["rss_mb"]}):
+            points = [(s["t"], s["rss_mb"][name]) for s in samples if name in s["rss_mb"]]
+            ax.plot(*zip(*points), label=name)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("replica RSS (MB)")
+        ax.set_title(f"{phase_report['config']}: {phase_report['requests']} requests, {phase_report['lost']} lost",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, report["machine"], path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="mixed requests on config.yaml")
+    parser.add_argument("--edits", type=int, default=500, help="edits on config.edit.yaml (0 skips the phase)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--out", default=str(RESULTS / "soak.json"))
+    args = parser.parse_args()
+    phases = [phase("config.yaml", args.requests, args.concurrency, edit=False)]
+    if args.edits:
+        phases.append(phase("config.edit.yaml", args.edits, args.concurrency, edit=True))
+    report = {"machine": machine(), "concurrency": args.concurrency, "max_growth_mb": MAX_GROWTH_MB, "phases": phases}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, out.with_suffix(".png"))
+    failed = False
+    for p in phases:
+        grown = {k: v for k, v in p["rss_growth_after_warmup_mb"].items() if v is not None and v >= MAX_GROWTH_MB}
+        leftover = p["store_bytes"]["end"] > p["store_bytes"]["baseline"]
+        print(f"{p['config']}: {p['requests']} requests {p['by_kind']} in {p['seconds']} s, lost {p['lost']}, "
+              f"p50 {p['latency_s']['p50']} s p99 {p['latency_s']['p99']} s; RSS growth after warm-up (MB) "
+              f"{p['rss_growth_after_warmup_mb']}; object store {p['store_bytes']}")
+        for problem in p["problems"]:
+            print("  ", problem)
+        failed |= bool(p["lost"] or grown or leftover)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
