@@ -177,7 +177,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
     right.set(xlabel="requests per DiT step", ylabel="achieved TFLOP/s", xscale="log")
     if report["peak_bf16_tflops"]:
         right.axhline(report["peak_bf16_tflops"], ls="--", c="grey", label="bf16 peak")
+    batches = [row["batch"] for row in report["sizes"][0]["dit"]]
     for ax in (left, right):
+        ax.set_xticks(batches, [str(b) for b in batches])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"Qwen-Image DiT at full size, random bf16 weights: {report['device']}", fontsize=9)

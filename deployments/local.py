@@ -92,9 +92,10 @@ class LocalServe:
                        if (p.info["cmdline"] or [""])[0].startswith("ray::ServeController")}
         held = {}  # object id -> (size, pids holding it), from the table `ray memory` prints
         for line in memory_summary(self.address, line_wrap=False, stats_only=False).splitlines():
-            cells = [cell.strip() for cell in line.split("|")]
-            if len(cells) >= 8 and cells[5].endswith(" B"):
-                size, pids = held.get(cells[-1], (float(cells[5][:-2]), set()))
+            cells = [cell.strip() for cell in line.split("|")]  # ip | pid | type | ... | size | reference | id
+            sizes = [cell for cell in cells if cell.endswith(" B")]
+            if len(cells) >= 8 and sizes:
+                size, pids = held.get(cells[-1], (float(sizes[0][:-2]), set()))
                 held[cells[-1]] = (size, pids | {cells[1]})
         # Objects past 100 KiB live in the store; smaller ones inline in their owner's memory.
         return used - int(sum(size for size, pids in held.values() if size >= 100 * 1024 and pids <= controllers))

@@ -408,73 +408,75 @@ def test_mixed_load_survives_the_death_of_each_stage_replica(served, reference):
     store_bytes = served["local"].store_bytes
 
     ray.init(address=served["address"], log_to_driver=False, namespace="serve")
-    baseline = store_bytes()
-    invalid = [b for b in BAD_REQUESTS if isinstance(b[0], dict)]
-    finished = []
+    try:
+        baseline = store_bytes()
+        invalid = [b for b in BAD_REQUESTS if isinstance(b[0], dict)]
+        finished = []
 
-    def one(i):
+        def one(i):
+            start = time.monotonic()
+            if i % 5 == 0:
+                body, status, param = invalid[i // 5 % len(invalid)]
+                got, response = post(served["base"] + "/v1/images/generations", body)
+                return "invalid", (got, response["error"]["param"]) == (status, param), time.monotonic() - start
+            body = {"prompt": f"a mountain lake, variation {i % 7}", "size": "64x64", "seed": i, "n": 1 + i % 3,
+                    "num_inference_steps": 3, **({"negative_prompt": "blurry"} if i % 2 else {})}
+            if i % 10 == 3:
+                status = disconnect_after(served, {**body, "num_inference_steps": 200}, 0.3)
+                return "cancelled", status, time.monotonic() - start
+            if i % 4 == 1:
+                outcome = ("streamed", (body, *sse_outcome(served, body)))
+            else:
+                outcome = ("ok", (body, *post(served["base"] + "/v1/images/generations", body, timeout=300)))
+            finished.append(i)
+            return (*outcome, time.monotonic() - start)
+
+        def killer():
+            """Kills each stage's replica once, a third of the way apart, while requests are in flight."""
+            for stage, after in (("Encoder", 40), ("DiT", 100), ("VAE", 160)):
+                while len(finished) < after:
+                    time.sleep(0.05)
+                ray.kill(ray.get_actor(replica_names(served)[stage], namespace="serve"), no_restart=True)
+                killed.append(stage)
+
+        killed = []
         start = time.monotonic()
-        if i % 5 == 0:
-            body, status, param = invalid[i // 5 % len(invalid)]
-            got, response = post(served["base"] + "/v1/images/generations", body)
-            return "invalid", (got, response["error"]["param"]) == (status, param), time.monotonic() - start
-        body = {"prompt": f"a mountain lake, variation {i % 7}", "size": "64x64", "seed": i, "n": 1 + i % 3,
-                "num_inference_steps": 3, **({"negative_prompt": "blurry"} if i % 2 else {})}
-        if i % 10 == 3:
-            status = disconnect_after(served, {**body, "num_inference_steps": 200}, 0.3)
-            return "cancelled", status, time.monotonic() - start
-        if i % 4 == 1:
-            outcome = ("streamed", (body, *sse_outcome(served, body)))
-        else:
-            outcome = ("ok", (body, *post(served["base"] + "/v1/images/generations", body, timeout=300)))
-        finished.append(i)
-        return (*outcome, time.monotonic() - start)
+        with concurrent.futures.ThreadPoolExecutor(17) as pool:
+            kills = pool.submit(killer)
+            outcomes = list(pool.map(one, range(300)))
+            kills.result(timeout=60)
+        elapsed = time.monotonic() - start
+        assert killed == ["Encoder", "DiT", "VAE"]
+        latencies = sorted(seconds for kind, _, seconds in outcomes if kind in ("ok", "streamed"))
+        print(f"\nmixed load with three replica kills: 300 requests in {elapsed:.1f} s; valid ones p50 "
+              f"{latencies[len(latencies) // 2]:.2f} s, max {latencies[-1]:.2f} s")
+        kinds = [kind for kind, _, _ in outcomes]
+        assert (kinds.count("invalid"), kinds.count("cancelled")) == (60, 30)
+        assert all(ok for kind, ok, _ in outcomes if kind == "invalid")
+        assert all(status is None for kind, status, _ in outcomes if kind == "cancelled"), outcomes
+        for kind, (body, status, response), _ in (o for o in outcomes if o[0] in ("ok", "streamed")):
+            assert status == 200, (kind, body, response)
+            if kind == "streamed":
+                errors = [e for e in response if e["type"] == "error"]
+                assert not errors, (body, errors)
+                completed = sorted((e for e in response if e["type"] == "image_generation.completed"),
+                                   key=lambda e: e["index"])
+                images = [e["b64_json"] for e in completed]
+            else:
+                images = [item["b64_json"] for item in response["data"]]
+            assert len(images) == body["n"]
+            if body["seed"] % 30 == 1:  # a sample, pixel-checked against diffusers
+                assert within_one_level(png(images[0]), expected(reference, body["prompt"], body["seed"], 64, 64, 3,
+                                                                 body.get("negative_prompt")))
+        assert max(seconds for _, _, seconds in outcomes) < 300  # nothing hung
+        deadline = time.monotonic() + 30
+        while (used := store_bytes()) > baseline and time.monotonic() < deadline:
+            time.sleep(0.5)
+        from ray._private.internal_api import memory_summary
 
-    def killer():
-        """Kills each stage's replica once, a third of the way apart, while requests are in flight."""
-        for stage, after in (("Encoder", 40), ("DiT", 100), ("VAE", 160)):
-            while len(finished) < after:
-                time.sleep(0.05)
-            ray.kill(ray.get_actor(replica_names(served)[stage], namespace="serve"), no_restart=True)
-            killed.append(stage)
-
-    killed = []
-    start = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(17) as pool:
-        kills = pool.submit(killer)
-        outcomes = list(pool.map(one, range(300)))
-        kills.result(timeout=60)
-    elapsed = time.monotonic() - start
-    assert killed == ["Encoder", "DiT", "VAE"]
-    latencies = sorted(seconds for kind, _, seconds in outcomes if kind in ("ok", "streamed"))
-    print(f"\nmixed load with three replica kills: 300 requests in {elapsed:.1f} s; valid ones p50 "
-          f"{latencies[len(latencies) // 2]:.2f} s, max {latencies[-1]:.2f} s")
-    kinds = [kind for kind, _, _ in outcomes]
-    assert (kinds.count("invalid"), kinds.count("cancelled")) == (60, 30)
-    assert all(ok for kind, ok, _ in outcomes if kind == "invalid")
-    assert all(status is None for kind, status, _ in outcomes if kind == "cancelled"), outcomes
-    for kind, (body, status, response), _ in (o for o in outcomes if o[0] in ("ok", "streamed")):
-        assert status == 200, (kind, body, response)
-        if kind == "streamed":
-            errors = [e for e in response if e["type"] == "error"]
-            assert not errors, (body, errors)
-            completed = sorted((e for e in response if e["type"] == "image_generation.completed"),
-                               key=lambda e: e["index"])
-            images = [e["b64_json"] for e in completed]
-        else:
-            images = [item["b64_json"] for item in response["data"]]
-        assert len(images) == body["n"]
-        if body["seed"] % 30 == 1:  # a sample, pixel-checked against diffusers
-            assert within_one_level(png(images[0]), expected(reference, body["prompt"], body["seed"], 64, 64, 3,
-                                                             body.get("negative_prompt")))
-    assert max(seconds for _, _, seconds in outcomes) < 300  # nothing hung
-    deadline = time.monotonic() + 30
-    while (used := store_bytes()) > baseline and time.monotonic() < deadline:
-        time.sleep(0.5)
-    from ray._private.internal_api import memory_summary
-
-    assert used <= baseline, memory_summary(served["address"], line_wrap=False)[-6000:]
-    ray.shutdown()
+        assert used <= baseline, memory_summary(served["address"], line_wrap=False)[-6000:]
+    finally:
+        ray.shutdown()  # a driver still connected would be ended by the fixture's `ray stop --force`
     stats = stage_stats(served)
     assert all(s["running"] == 0 for s in stats.values()), stats
 
