@@ -54,3 +54,4 @@ bench: install
 	$(PY) -m benchmarks.engine_throughput
 	$(PY) -m benchmarks.serve_overhead
 	$(PY) -m benchmarks.edit_throughput
+	$(PY) -m benchmarks.dit_cache

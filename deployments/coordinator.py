@@ -35,6 +35,7 @@ from omni_ray.protocol import (
     completed_event,
     encode_image,
     error_body,
+    image_stats,
     images_response,
     load_input_image,
     parse_request,
@@ -246,7 +247,8 @@ class Coordinator:
         results = await collect(self.events(plan, request_id))
         request = plan.request
         files = await asyncio.gather(*(_encode_file(result, request) for result in results))
-        return images_response(files, request, plan.height, plan.width, [result.timings for result in results])
+        stats = [image_stats(result.timings, result.dit_passes) for result in results]
+        return images_response(files, request, plan.height, plan.width, stats)
 
     async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
         """Progress after every denoising step of each image, each image as it is done, or one error event."""
@@ -255,7 +257,9 @@ class Coordinator:
                 yield progress_event(plan, event.index, event.step, event.total)
             elif isinstance(event, ImageDone):
                 data = await _encode_file(event.result, plan.request)
-                yield completed_event(plan, event.index, data, event.result.timings if plan.request.timings else None)
+                result = event.result
+                stats = image_stats(result.timings, result.dit_passes) if plan.request.timings else None
+                yield completed_event(plan, event.index, data, stats)
             else:
                 error = event.error
                 yield {"type": "error", **error_body(str(error), error.error_type, getattr(error, "param", None))}

@@ -36,3 +36,9 @@ images_generated = metrics.Counter(
 errors = metrics.Counter(
     "omni_errors_total", description="Failed requests, by stage and error type.", tag_keys=("stage", "type"),
 )
+dit_passes = metrics.Counter(
+    "omni_dit_passes_total",
+    description="Transformer passes of finished DiT requests, by outcome: computed, or reused by cache acceleration "
+    "(true CFG runs two passes per step).",
+    tag_keys=("stage", "outcome"),
+)

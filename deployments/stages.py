@@ -120,6 +120,10 @@ class DiT(_EngineShim):
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image_latents)
         timings = {**encoded.timings, **(image_latents.timings if image_latents is not None else {})}
         async for item in self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings):
+            if isinstance(item, Latents):
+                for outcome, passes in item.dit_passes.items():
+                    if passes:  # Ray's counters refuse 0
+                        metrics.dit_passes.inc(passes, tags={**self.tags, "outcome": outcome})
             yield item
 
     def stats(self) -> dict:

@@ -131,7 +131,7 @@ def _multipart(fields: dict, image: bytes) -> tuple[bytes, str]:
     boundary = uuid.uuid4().hex
     parts = []
     for name, value in fields.items():
-        text = json.dumps(value) if isinstance(value, bool) else str(value)
+        text = json.dumps(value) if isinstance(value, (bool, dict)) else str(value)  # cache: a JSON object
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{text}\r\n'.encode())
     parts.append(
         f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="image"\r\n'

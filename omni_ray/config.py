@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -101,6 +101,34 @@ class EncoderConfig(_StageConfig):
     )
 
 
+# TeaCache's rescaling polynomial for Qwen-Image (highest power first), as vLLM-Omni ships it
+# (vllm_omni/diffusion/cache/teacache, "from ComfyUI-TeaCache"): it maps the relative change of the first block's
+# modulated input to the expected relative change of the transformer's output.
+QWEN_IMAGE_TEACACHE = (-4.5e2, 2.8e2, -4.5e1, 3.2, -2e-2)
+
+
+class CacheSettings(_Frozen):
+    """DiT cache acceleration for one request: which rule decides when a step reuses the residual of the blocks it
+    skips, and how much change it tolerates. Both rules are decided per request (and per CFG pass) inside a step
+    batch."""
+
+    kind: Literal["first_block", "teacache"] = Field(
+        ...,
+        description="first_block: run the first block and skip the others while its output residual changed less "
+        "than `threshold` since the last full step (diffusers' FirstBlockCacheConfig). teacache: skip every block "
+        "while the rescaled change of the first block's modulated input, summed since the last full step, stays "
+        "under `threshold`; the first and last steps always run.",
+    )
+    threshold: float = Field(
+        ..., ge=0, le=2, description="Relative change tolerated: 0 never reuses; higher reuses more and drifts more."
+    )
+
+    @field_validator("threshold", mode="before")
+    @classmethod
+    def _int_is_a_number(cls, value):
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 class DiTConfig(_StageConfig):
     """The diffusion transformer stage: step-level continuously batched denoising."""
 
@@ -109,6 +137,14 @@ class DiTConfig(_StageConfig):
         8,
         description="Steps requests of another size or CFG mode wait at most while the running batch's key keeps "
         "the DiT; then the DiT switches to them, so no key starves.",
+    )
+    cache: CacheSettings | None = Field(
+        None, description="Cache acceleration for requests that do not set `cache`; unset, off. A request's own "
+        "`cache` (or null) wins.",
+    )
+    teacache_coefficients: tuple[float, ...] = Field(
+        QWEN_IMAGE_TEACACHE, min_length=1,
+        description="TeaCache's rescaling polynomial, highest power first; the default is published for Qwen-Image.",
     )
 
 

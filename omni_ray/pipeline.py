@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from omni_ray.config import PipelineConfig, load_config
+from omni_ray.errors import RequestError
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
 from omni_ray.engine.output import StepDone
@@ -119,20 +120,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     parser.add_argument("--true-cfg-scale", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", default=None, metavar="KIND:THRESHOLD",
+                        help="DiT cache acceleration, e.g. first_block:0.2 or teacache:0.4; 'none' turns the "
+                        "preset's off (default: the preset's)")
     parser.add_argument("--out", default="omni-ray.png")
     args = parser.parse_args(argv)
     config = load_config(args.stage_config, model=args.model)
     source = load_input_image(pathlib.Path(args.image).read_bytes(), config) if args.image is not None else None
     body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "size": args.size,
             "num_inference_steps": args.steps, "true_cfg_scale": args.true_cfg_scale, "seed": args.seed}
+    if args.cache is not None:
+        body["cache"] = parse_cache(args.cache, parser)
     pipeline = Pipeline(config)
     try:
         (image,) = asyncio.run(pipeline.generate(body, source))
+    except RequestError as err:
+        parser.error(str(err))
     finally:
         pipeline.shutdown()
     Image.fromarray(image.pixels).save(args.out)
     height, width = image.pixels.shape[:2]
-    print(f"wrote {args.out} ({width}x{height}, seed {args.seed})")
+    passes = image.dit_passes
+    print(f"wrote {args.out} ({width}x{height}, seed {args.seed}; DiT passes computed {passes['computed']}, "
+          f"reused {passes['reused']})")
+
+
+def parse_cache(text: str, parser: argparse.ArgumentParser) -> dict | None:
+    """``--cache``'s ``KIND:THRESHOLD`` (or ``none``) as the request's ``cache`` field."""
+    if text.lower() == "none":
+        return None
+    kind, _, threshold = text.partition(":")
+    try:
+        return {"kind": kind, "threshold": float(threshold)}
+    except ValueError:
+        parser.error(f"--cache: expected KIND:THRESHOLD such as first_block:0.2, got {text!r}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
 import random
 import time
@@ -19,7 +20,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from omni_ray.config import SIZE_MULTIPLE, PipelineConfig
+from omni_ray.config import SIZE_MULTIPLE, CacheSettings, PipelineConfig
 from omni_ray.errors import PayloadTooLargeError, RequestError
 
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -45,7 +46,14 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: float = Field(4.0, ge=1.0, le=20.0, description="True CFG scale; CFG runs when > 1 with a negative prompt.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the first image; random when omitted.")
     stream: bool = Field(False, description="Answer with server-sent events: progress per step, then each image.")
-    timings: bool = Field(False, description="Add each image's time in every stage (ms, queueing included).")
+    timings: bool = Field(
+        False, description="Add each image's time in every stage (ms, queueing included) and its DiT passes computed "
+        "and reused."
+    )
+    cache: CacheSettings | None = Field(
+        None, description="DiT cache acceleration for this request ({'kind': 'first_block' or 'teacache', "
+        "'threshold': x}), or null for none; omitted, the preset's. Requests with and without it share step batches."
+    )
     partial_images: int = Field(0, ge=0, le=3, description="OpenAI's preview count while streaming; must be 0 here.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
 
@@ -53,6 +61,17 @@ class ImageGenerationRequest(BaseModel):
     @classmethod
     def _int_is_a_number(cls, value):
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _form_field_is_json(cls, value):
+        """A multipart form (edits) carries ``cache`` as JSON text."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("expected a JSON object such as {\"kind\": \"first_block\", \"threshold\": 0.1}, or null") from None
 
     @field_validator("prompt")
     @classmethod
@@ -85,6 +104,7 @@ class GenerationPlan:
     width: int
     num_inference_steps: int
     seed: int  # image i uses seed + i
+    cache: CacheSettings | None = None  # the request's, or the preset's default
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
 
     @property
@@ -131,6 +151,7 @@ def plan_request(
         width=width,
         num_inference_steps=request.num_inference_steps or config.requests.default_steps,
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
+        cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
         image=image,
     )
 
@@ -248,9 +269,9 @@ def progress_event(plan: GenerationPlan, index: int, step: int, total_steps: int
     return {"type": f"{plan.event_prefix}.progress", "index": index, "step": step, "total_steps": total_steps}
 
 
-def completed_event(plan: GenerationPlan, index: int, data: bytes, timings: dict[str, float] | None = None) -> dict:
+def completed_event(plan: GenerationPlan, index: int, data: bytes, stats: dict | None = None) -> dict:
     """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed`` (and
-    ``image_edit.completed`` for edits); with ``timings``, the image's milliseconds per stage."""
+    ``image_edit.completed`` for edits); with ``stats`` (``image_stats``'), the image's times and DiT passes."""
     request, height, width = plan.request, plan.height, plan.width
     event = {
         "type": f"{plan.event_prefix}.completed",
@@ -260,13 +281,14 @@ def completed_event(plan: GenerationPlan, index: int, data: bytes, timings: dict
         "size": f"{width}x{height}",
         "output_format": request.output_format,
     }
-    if timings is not None:
-        event["timings_ms"] = _milliseconds(timings)
-    return event
+    return {**event, **(stats or {})}
 
 
-def _milliseconds(timings: dict[str, float]) -> dict[str, float]:
-    return {stage: round(1000 * seconds, 1) for stage, seconds in timings.items()}
+def image_stats(timings: dict[str, float], dit_passes: dict[str, int]) -> dict:
+    """What ``timings: true`` adds to an image: its milliseconds per stage, and its DiT passes computed and reused
+    (true CFG runs two per step; cache acceleration reuses some)."""
+    return {"timings_ms": {stage: round(1000 * seconds, 1) for stage, seconds in timings.items()},
+            "dit_passes": dit_passes}
 
 
 def images_response(
@@ -274,13 +296,13 @@ def images_response(
     request: ImageGenerationRequest,
     height: int,
     width: int,
-    timings: list[dict[str, float]] | None = None,
+    stats: list[dict] | None = None,
 ) -> dict:
-    """OpenAI's images response body; with ``request.timings``, each image's seconds per stage as milliseconds."""
+    """OpenAI's images response body; with ``request.timings``, each image's ``image_stats``."""
     data = [{"b64_json": base64.b64encode(file).decode()} for file in files]
-    if request.timings and timings is not None:
-        for item, stages in zip(data, timings):
-            item["timings_ms"] = _milliseconds(stages)
+    if request.timings and stats is not None:
+        for item, image in zip(data, stats):
+            item.update(image)
     return {"created": int(time.time()), "data": data, "output_format": request.output_format,
             "size": f"{width}x{height}"}
 

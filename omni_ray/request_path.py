@@ -152,7 +152,9 @@ async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
 def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
     """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
     request = plan.request
-    return DenoiseParams(plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale)
+    return DenoiseParams(
+        plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale, plan.cache
+    )
 
 
 class _SharedInputs:

@@ -89,3 +89,20 @@ def test_engine_edits_match_diffusers_within_one_level(pipeline, config, edit_di
         )
         assert result.pixels.shape == expected.shape == images[name].shape
         assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1, (name, negative)
+
+
+def test_an_edit_with_first_block_cache_matches_diffusers_with_it(pipeline, config, edit_dir):
+    """The edit image's tokens ride in every pass, cached ones too: same decisions and image as diffusers' cache."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    reference = load_reference(edit_dir)
+    reference.transformer.enable_cache(FirstBlockCacheConfig(threshold=1.0))
+    ran = []
+    reference.transformer.transformer_blocks[1].attn.register_forward_pre_hook(lambda *_: ran.append(1))
+    kwargs = {"prompt": "make the disc blue", "negative_prompt": "blurry", "true_cfg_scale": 4.0,
+              "num_inference_steps": 8}
+    expected = reference_edit(reference, config.edit.image_area, source_image(*SOURCES["wide"], 3), seed=11, **kwargs)
+    body = {**kwargs, "seed": 11, "cache": {"kind": "first_block", "threshold": 1.0}}
+    (result,) = asyncio.run(pipeline.generate(body, working_image(config, "wide", seed=3)))
+    assert result.dit_passes == {"computed": len(ran), "reused": 16 - len(ran)} and 0 < len(ran) < 16
+    assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1

@@ -187,6 +187,9 @@ BAD_REQUESTS = [
     ({"prompt": "a cat", "seed": "7"}, 400, "seed"),
     ({"prompt": "a cat", "model": "dall-e-3"}, 400, "model"),
     ({"prompt": "a cat", "colour": "red"}, 400, "colour"),
+    ({"prompt": "a cat", "cache": {"kind": "magcache", "threshold": 0.1}}, 400, "cache.kind"),
+    ({"prompt": "a cat", "cache": {"kind": "teacache", "threshold": 5}}, 400, "cache.threshold"),
+    ({"prompt": "a cat", "cache": "fast"}, 400, "cache"),
     ([{"prompt": "a cat"}], 400, None),
     (b"not json", 400, None),
     (b'{"prompt": "a cat", ', 400, None),
@@ -289,7 +292,9 @@ def test_prometheus_metrics_per_stage(served):
     before = scrape(served["metrics"])
     bodies = [{"prompt": "a red cat", "size": "64x64", "seed": 1, "num_inference_steps": 3, "n": 2},
               {"prompt": "a cup", "size": "64x64", "seed": 2, "num_inference_steps": 3},
-              {"prompt": "a bowl", "size": "64x64", "seed": 3, "num_inference_steps": 3, "negative_prompt": "dark"}]
+              {"prompt": "a bowl", "size": "64x64", "seed": 3, "num_inference_steps": 3, "negative_prompt": "dark"},
+              {"prompt": "a vase", "size": "64x64", "seed": 4, "num_inference_steps": 3, "negative_prompt": "dark",
+               "cache": {"kind": "teacache", "threshold": 1.5}}]  # TeaCache: the middle step reuses
     for body in bodies:
         assert post(served["base"] + "/v1/images/generations", body)[0] == 200
     assert post(served["base"] + "/v1/images/generations", {"prompt": "a cat", "n": 0})[0] == 400
@@ -297,13 +302,17 @@ def test_prometheus_metrics_per_stage(served):
     def delta(samples, name, **labels):
         return total(samples, name, **labels) - total(before, name, **labels)
 
-    samples = settled(lambda s: delta(s, "ray_omni_images_generated_total") >= 4
+    samples = settled(lambda s: delta(s, "ray_omni_images_generated_total") >= 5
                       and delta(s, "ray_omni_errors_total", type="RequestError") >= 1
-                      and delta(s, "ray_omni_stage_request_latency_seconds_count", stage="vae") >= 4)
-    assert delta(samples, "ray_omni_images_generated_total", stage="coordinator") == 4
-    assert delta(samples, "ray_omni_request_latency_seconds_count", stage="coordinator") == 3
+                      and delta(s, "ray_omni_stage_request_latency_seconds_count", stage="vae") >= 5
+                      and delta(s, "ray_omni_dit_passes_total") >= 21)
+    assert delta(samples, "ray_omni_images_generated_total", stage="coordinator") == 5
+    assert delta(samples, "ray_omni_request_latency_seconds_count", stage="coordinator") == 4
     assert delta(samples, "ray_omni_errors_total", stage="coordinator", type="RequestError") == 1
-    for stage, calls in (("encoder", 3), ("dit", 4), ("vae", 4)):  # a request's prompt is encoded once
+    # 3 steps each: 2 images without CFG, 1 without, 2 with (two passes a step), of which one reuses its middle step
+    assert delta(samples, "ray_omni_dit_passes_total", stage="dit", outcome="computed") == 6 + 3 + 6 + 4
+    assert delta(samples, "ray_omni_dit_passes_total", stage="dit", outcome="reused") == 2
+    for stage, calls in (("encoder", 4), ("dit", 5), ("vae", 5)):  # a request's prompt is encoded once
         assert delta(samples, "ray_omni_stage_request_latency_seconds_count", stage=stage) == calls, stage
         assert delta(samples, "ray_omni_step_latency_seconds_count", stage=stage) >= 1, stage
         assert ("ray_omni_queue_length" in {n for n, _ in samples}), stage
@@ -349,6 +358,7 @@ def test_streaming_sends_one_progress_event_per_step_then_the_same_image(served)
     assert status == 200
     assert events[-1]["b64_json"] == plain["data"][0]["b64_json"]  # byte-identical PNG
     assert set(plain["data"][0]["timings_ms"]) == {"encoder", "dit", "vae"}
+    assert plain["data"][0]["dit_passes"] == {"computed": 8, "reused": 0}  # 4 steps, two CFG passes each
     assert all(ms > 0 for ms in plain["data"][0]["timings_ms"].values())
     assert events[-1]["size"] == "64x64" and events[-1]["output_format"] == "png"
 

@@ -92,6 +92,16 @@ def test_edit_streams_progress_then_the_image_and_the_python_client_edits(served
     for images in (via_http, via_ray):
         assert np.asarray(images[0]).tolist() == streamed.tolist()  # same request, same pixels, however asked
 
+    # Cache acceleration on an edit, as a form field (the client sends it as JSON text).
+    cached = Client.http(served["base"]).edit(source, "make it red", seed=3, num_inference_steps=8,
+                                              cache={"kind": "teacache", "threshold": 1.5})
+    fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "8", "timings": "true",
+              "cache": json.dumps({"kind": "teacache", "threshold": 1.5})}
+    with post_edit(served, fields, [("image", ("in.png", file_bytes(source), "image/png"))]) as response:
+        item = response.json()["data"][0]
+    assert item["dit_passes"]["reused"] > 0 and sum(item["dit_passes"].values()) == 8
+    assert np.asarray(cached[0]).tolist() == png(item["b64_json"]).tolist()
+
 
 def multipart_without_image() -> bytes:
     return b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nmake it red\r\n--b--\r\n"
@@ -125,6 +135,10 @@ BAD_EDITS = {
                       "colour"),
     "repeated field": ({"prompt": ["make it red", "make it blue"]}, [("image", ("a.png", PHOTO, "image/png"))], 400,
                        "prompt"),
+    "cache not JSON": ({"prompt": "make it red", "cache": "first_block:0.2"}, [("image", ("a.png", PHOTO, "image/png"))],
+                       400, "cache"),
+    "bad cache kind": ({"prompt": "make it red", "cache": '{"kind": "fast", "threshold": 0.2}'},
+                       [("image", ("a.png", PHOTO, "image/png"))], 400, "cache.kind"),
     "long prompt": ({"prompt": "word " * 1100}, [("image", ("a.png", PHOTO, "image/png"))], 400, "prompt"),
     "oversized": ({"prompt": "make it red"}, [("image", ("a.png", b"\x89PNG" + bytes(21 << 20), "image/png"))], 413,
                   "image"),

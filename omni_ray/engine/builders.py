@@ -32,7 +32,7 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
 
 def build_dit_core(config: PipelineConfig) -> EngineCore:
     stage = config.dit
-    runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device)
+    runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients)
     return EngineCore(DiTScheduler(stage.max_batch_size, stage.max_wait_steps), runner)
 
 

@@ -73,6 +73,7 @@ class Decoded:
     pixels: np.ndarray | None  # [H, W, 3] uint8
     latents: Latents | None
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, every stage
+    dit_passes: dict[str, int] = field(default_factory=dict)  # the DiT's passes computed and reused (Latents')
 
 
 @dataclass(slots=True)
@@ -137,6 +138,7 @@ class VaeRunner:
             request.request_id: Decoded(
                 pixels=by_id.get(request.request_id),
                 latents=request.latents if request.output != "pixels" else None,
+                dit_passes=request.latents.dit_passes,
             )
             for request in requests
         }

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
-from omni_ray.config import SIZE_MULTIPLE
+from omni_ray.config import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, CacheSettings
 from omni_ray.errors import EngineError, request_failure
+from omni_ray.stages.dit_cache import BranchCache, cached_forward
 from omni_ray.stages.encode import PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class DenoiseParams:
     num_inference_steps: int
     seed: int
     true_cfg_scale: float = 1.0  # CFG runs when > 1 and a negative prompt is given
+    cache: CacheSettings | None = None  # DiT cache acceleration; never splits a batch
 
     def batch_key(
         self, has_negative: bool, image_size: tuple[int, int] | None = None
@@ -93,6 +95,7 @@ class DenoiseState:
     img_shapes: list[tuple[int, int, int]]  # (frames, latent rows, latent cols) after packing; the edit image's 2nd
     image: torch.Tensor | None = None  # edits: the input image's packed latents [1, image_tokens, in_channels]
     image_size: tuple[int, int] | None = None  # edits: the input image's (height, width)
+    caches: list[BranchCache] | None = None  # with cache acceleration: the conditional pass's, the unconditional's
     step_index: int = 0
 
     @property
@@ -120,6 +123,8 @@ class Latents:
     height: int
     width: int
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, the stages so far
+    dit_passes: dict[str, int] = field(default_factory=dict)  # "computed"/"reused" -> transformer passes (true CFG
+    # runs two per step, each decided apart)
 
 
 def calculate_shift(image_seq_len: int, config) -> float:
@@ -140,20 +145,30 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
 class DenoiseRunner:
     """Holds the transformer and the scheduler config; prepares request states and steps batches of them."""
 
-    def __init__(self, transformer: QwenImageTransformer2DModel, scheduler_config: dict):
+    def __init__(
+        self,
+        transformer: QwenImageTransformer2DModel,
+        scheduler_config: dict,
+        teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE,
+    ):
         self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
         self.transformer = transformer.eval()
+        self.teacache_coefficients = teacache_coefficients
         self.device, self.dtype = transformer.device, transformer.dtype
         self.scheduler_config = scheduler_config
         self.num_channels_latents = transformer.config.in_channels // 4
 
     @classmethod
-    def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DenoiseRunner:
+    def load(
+        cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+        teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE,
+    ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``)."""
         transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
         assert 2 ** len(vae_config["temperal_downsample"]) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
-        return cls(transformer.to(device), FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler"))
+        scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
+        return cls(transformer.to(device), scheduler_config, teacache_coefficients)
 
     def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
         """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
@@ -234,6 +249,7 @@ class DenoiseRunner:
             img_shapes=img_shapes,
             image=image.latents.to(self.device, self.dtype).unsqueeze(0) if image is not None else None,
             image_size=(image.height, image.width) if image is not None else None,
+            caches=[BranchCache(params.cache)] * (2 if do_true_cfg else 1) if params.cache is not None else None,
         )
 
     @torch.no_grad()
@@ -252,17 +268,23 @@ class DenoiseRunner:
         timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
         img_shapes = [s.img_shapes for s in states]
         prompts = [s.prompt for s in states]
+        steps = [(s.step_index, s.num_steps) for s in states]
+        caches = [s.caches[0] if s.caches else None for s in states]
         if not cfg:
-            cond = self._forward(latents, timesteps, prompts, img_shapes)
-        elif fuse_cfg:
-            rows = len(states)
-            both = self._forward(
-                latents.repeat(2, 1, 1), timesteps.repeat(2), prompts + [s.negative for s in states], img_shapes * 2
-            )
-            cond, uncond = both[:rows], both[rows:]
+            cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps)
         else:
-            cond = self._forward(latents, timesteps, prompts, img_shapes)
-            uncond = self._forward(latents, timesteps, [s.negative for s in states], img_shapes)
+            negatives = [s.negative for s in states]
+            uncond_caches = [s.caches[1] if s.caches else None for s in states]
+            if fuse_cfg:
+                rows = len(states)
+                both, both_caches = self._forward(
+                    latents.repeat(2, 1, 1), timesteps.repeat(2), prompts + negatives, img_shapes * 2,
+                    caches + uncond_caches, steps * 2,
+                )
+                (cond, uncond), caches, uncond_caches = both.split(rows), both_caches[:rows], both_caches[rows:]
+            else:
+                cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps)
+                uncond, uncond_caches = self._forward(latents, timesteps, negatives, img_shapes, uncond_caches, steps)
 
         num_tokens = states[0].latents.shape[1]  # the prediction for the edit image's tokens is dropped
         for row, state in enumerate(states):
@@ -271,6 +293,8 @@ class DenoiseRunner:
                 pred = guide(pred, uncond[row : row + 1, :num_tokens], state.params.true_cfg_scale)
             t = state.scheduler.timesteps[state.step_index]
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
+            if state.caches:  # kept with the step, so a step retried alone decides from the same caches
+                state.caches = [caches[row], uncond_caches[row]] if cfg else [caches[row]]
             state.step_index += 1
 
     def _forward(
@@ -279,21 +303,27 @@ class DenoiseRunner:
         timesteps: torch.Tensor,  # [rows]
         texts: list[torch.Tensor],  # rows x [num_tokens_i, hidden]
         img_shapes: list[list[tuple[int, int, int]]],
-    ) -> torch.Tensor:
+        caches: list[BranchCache | None],
+        steps: list[tuple[int, int]],  # rows x (step index, steps in all)
+    ) -> tuple[torch.Tensor, list[BranchCache | None]]:
+        """The transformer's prediction per row (diffusers' forward, with each row's cache deciding which blocks
+        it runs), and each row's cache after the step."""
         embeds, mask = pad_text(texts)
-        return self.transformer(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            encoder_hidden_states=embeds,
-            encoder_hidden_states_mask=mask,
-            img_shapes=img_shapes,
-            return_dict=False,
-        )[0]
+        timestep = timesteps.to(latents.dtype) / 1000
+        return cached_forward(
+            self.transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, self.teacache_coefficients
+        )
 
     def finish(self, state: DenoiseState) -> Latents:
         """The finished state's latents, moved to the CPU for the VAE stage."""
         assert state.is_finished
-        return Latents(state.latents[0].cpu().contiguous(), state.params.height, state.params.width)
+        if state.caches:
+            passes = {"computed": sum(c.computed for c in state.caches), "reused": sum(c.reused for c in state.caches)}
+        else:
+            passes = {"computed": state.num_steps * (2 if state.do_true_cfg else 1), "reused": 0}
+        return Latents(
+            state.latents[0].cpu().contiguous(), state.params.height, state.params.width, dit_passes=passes
+        )
 
 
 def one_step_overrides(num_inference_steps: int) -> dict:

@@ -1,0 +1,212 @@
+"""DiT cache acceleration decided per request inside a step batch: first-block cache and TeaCache.
+
+Both skip transformer blocks at a step whose input barely changed since the last step that ran them, and add
+instead the residual those blocks added then. Each CFG pass of each request keeps its own ``BranchCache`` (as
+diffusers keeps ``cache_context("cond")`` and ``("uncond")``), and every decision reads that row's own tensors, never
+the batch's, so a request's result does not depend on what it is batched with. Rows that reuse skip the blocks;
+the others run them as a sub-batch.
+
+- ``first_block`` (diffusers' ``FirstBlockCacheConfig``): every row runs the first block; a row whose first-block
+  output residual changed by at most ``threshold`` (relative L1) since its last full step skips the other blocks.
+- ``teacache`` (TeaCache, Liu et al. 2024): the relative L1 change of the first block's timestep-modulated input,
+  rescaled by a polynomial fit to the model, accumulates over steps; while the sum stays under ``threshold`` the row
+  skips every block. A request's first and last steps always run.
+
+``cached_forward`` is Qwen-Image's transformer forward, operation for operation as diffusers'
+``QwenImageTransformer2DModel.forward`` runs it (so rows that run every block get its values bit for bit), with
+those decisions in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+import torch
+from diffusers import QwenImageTransformer2DModel
+from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+
+from omni_ray.config import CacheSettings
+
+
+@dataclass(frozen=True, slots=True)
+class BranchCache:
+    """One CFG pass of one request: what its next decision compares with, and what it reuses. Immutable: a step
+    returns new ones, which the runner keeps only once the whole step succeeded."""
+
+    settings: CacheSettings
+    reference: torch.Tensor | None = None  # [tokens, dim] first_block: the first block's residual at the last full
+    # step; teacache: the modulated input at the last step
+    residual: torch.Tensor | None = None  # [tokens, dim] what the skipped blocks added at the last full step
+    accumulated: float = 0.0  # teacache: rescaled change since the last full step
+    computed: int = 0  # passes that ran the blocks
+    reused: int = 0  # passes that reused the residual
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """The blocks' inputs for some rows of the batch."""
+
+    hidden: torch.Tensor  # [rows, image_tokens, dim]
+    encoder: torch.Tensor  # [rows, text_tokens, dim]
+    mask: torch.Tensor | None  # [rows, text_tokens] bool, None when no row is padded
+    temb: torch.Tensor  # [rows, dim]; [2 * rows, dim] with zero_cond_t (the second half at timestep 0)
+    modulate_index: torch.Tensor | None  # [rows, image_tokens], with zero_cond_t
+
+    def take(self, rows: list[int]) -> _Rows:
+        if rows == list(range(self.hidden.shape[0])):
+            return self
+        index = torch.tensor(rows, device=self.hidden.device)
+        temb = self.temb[index]
+        if self.modulate_index is not None:
+            temb = torch.cat([temb, self.temb[index + self.hidden.shape[0]]])
+        return _Rows(
+            self.hidden[index], self.encoder[index], self.mask[index] if self.mask is not None else None, temb,
+            self.modulate_index[index] if self.modulate_index is not None else None,
+        )
+
+    def run(self, block, rope) -> _Rows:
+        encoder, hidden = block(
+            hidden_states=self.hidden,
+            encoder_hidden_states=self.encoder,
+            encoder_hidden_states_mask=self.mask,
+            temb=self.temb,
+            image_rotary_emb=rope,
+            joint_attention_kwargs=None,
+            modulate_index=self.modulate_index,
+        )
+        return dataclasses.replace(self, hidden=hidden, encoder=encoder)
+
+
+def cached_forward(
+    transformer: QwenImageTransformer2DModel,
+    latents: torch.Tensor,  # [rows, image_tokens, in_channels]
+    timestep: torch.Tensor,  # [rows], in the transformer's units (diffusers' timestep / 1000)
+    embeds: torch.Tensor,  # [rows, text_tokens, joint_attention_dim]
+    mask: torch.Tensor | None,  # [rows, text_tokens], None when no row is padded
+    img_shapes: list[list[tuple[int, int, int]]],
+    caches: list[BranchCache | None],  # per row; None runs every block
+    steps: list[tuple[int, int]],  # per row: (step index, steps in all)
+    teacache_coefficients: tuple[float, ...],
+) -> tuple[torch.Tensor, list[BranchCache | None]]:
+    """The transformer's prediction for every row, and each row's cache after this step."""
+    t = transformer
+    hidden = t.img_in(latents)
+    timestep = timestep.to(hidden.dtype)
+    modulate_index = None
+    if t.zero_cond_t:  # edit models that condition the input image's tokens on timestep 0
+        timestep = torch.cat([timestep, timestep * 0], dim=0)
+        modulate_index = torch.tensor(
+            [[0] * prod(shapes[0]) + [1] * sum(prod(s) for s in shapes[1:]) for shapes in img_shapes],
+            device=timestep.device, dtype=torch.int,
+        )
+    encoder = t.txt_in(t.txt_norm(embeds))
+    text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, mask)
+    temb = t.time_text_embed(timestep, hidden)
+    rope = t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
+    first, rest = t.transformer_blocks[0], t.transformer_blocks[1:]
+    x = _Rows(hidden, encoder, mask, temb, modulate_index)
+    caches = list(caches)
+    rows = range(len(caches))
+
+    # 1. TeaCache rows decide from the first block's modulated input; those that reuse skip every block.
+    skip_all: dict[int, torch.Tensor] = {}  # row -> its output of the blocks
+    tea = [r for r in rows if caches[r] is not None and caches[r].settings.kind == "teacache"]
+    if tea:
+        modulated = _modulated_input(first, x.take(tea), t.zero_cond_t)
+        changes = _relative_l1(modulated, [caches[r].reference for r in tea])
+        for i, r in enumerate(tea):
+            reuse, accumulated = _teacache_decides(caches[r], changes[i], *steps[r], teacache_coefficients)
+            if reuse:
+                skip_all[r] = hidden[r] + caches[r].residual
+            caches[r] = _replace(caches[r], reuse, reference=modulated[i].clone(), accumulated=accumulated)
+
+    # 2. The other rows run the first block; first-block rows that changed little skip the rest.
+    ran_first = [r for r in rows if r not in skip_all]
+    heads: dict[int, torch.Tensor] = {}  # row -> the first block's output
+    skip_rest: dict[int, torch.Tensor] = {}
+    ran_all, out_all = [], None  # the rows that ran every block, and their output
+    if ran_first:
+        x0 = x.take(ran_first)
+        x1 = x0.run(first, rope)
+        heads = dict(zip(ran_first, x1.hidden))
+        fbc = [i for i, r in enumerate(ran_first) if caches[r] is not None and caches[r].settings.kind == "first_block"]
+        if fbc:
+            residuals = x1.hidden[fbc] - x0.hidden[fbc]
+            changes = _relative_l1(residuals, [caches[ran_first[i]].reference for i in fbc])
+            for i, change, residual in zip(fbc, changes, residuals):
+                r = ran_first[i]
+                reuse = change <= caches[r].settings.threshold  # diffusers runs the blocks when change > threshold
+                if reuse:
+                    skip_rest[r] = caches[r].residual + heads[r]
+                caches[r] = _replace(caches[r], reuse, **({} if reuse else {"reference": residual.clone()}))
+
+        # 3. The rows that still need them run the remaining blocks, as one sub-batch.
+        ran_all = [i for i, r in enumerate(ran_first) if r not in skip_rest]
+        if ran_all:
+            x2 = x1.take(ran_all)
+            for block in rest:
+                x2 = x2.run(block, rope)
+            out_all = x2.hidden
+            ran_all = [ran_first[i] for i in ran_all]
+    if len(ran_all) == len(caches):
+        out = out_all
+    else:
+        out = torch.empty_like(hidden)
+        for r, value in (skip_all | skip_rest).items():
+            out[r] = value
+        if ran_all:
+            out[torch.tensor(ran_all, device=out.device)] = out_all
+
+    # 4. Rows that ran every block keep what the cached blocks added.
+    for r in rows:
+        cache = caches[r]
+        if cache is None or r in skip_all or r in skip_rest:
+            continue
+        start = hidden[r] if cache.settings.kind == "teacache" else heads[r]
+        caches[r] = dataclasses.replace(cache, residual=out[r] - start)
+
+    temb_out = temb.chunk(2, dim=0)[0] if t.zero_cond_t else temb
+    return t.proj_out(t.norm_out(out, temb_out)), caches
+
+
+def _modulated_input(block, x: _Rows, zero_cond_t: bool) -> torch.Tensor:
+    """The first block's image input after its norm and timestep modulation (what TeaCache compares)."""
+    temb = x.temb.chunk(2, dim=0)[0] if zero_cond_t else x.temb
+    shift, scale, _ = block.img_mod(temb).chunk(2, dim=-1)[0].chunk(3, dim=-1)
+    return block.img_norm1(x.hidden) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def _relative_l1(current: torch.Tensor, previous: list[torch.Tensor | None]) -> list[float]:
+    """Per row: mean |current - previous| / mean |previous| (diffusers' first-block rule, read per row); inf for a
+    row with nothing to compare with. One device sync for the whole batch."""
+    known = [i for i, p in enumerate(previous) if p is not None]
+    changes = [float("inf")] * len(previous)
+    if known:
+        now, before = current[known], torch.stack([previous[i] for i in known])
+        values = ((now - before).abs().mean(dim=(1, 2)) / before.abs().mean(dim=(1, 2))).tolist()
+        for i, value in zip(known, values):
+            changes[i] = value
+    return changes
+
+
+def _teacache_decides(
+    cache: BranchCache, change: float, step_index: int, num_steps: int, coefficients: tuple[float, ...]
+) -> tuple[bool, float]:
+    """(whether the row reuses, its accumulated change after this step)."""
+    if cache.residual is None or step_index in (0, num_steps - 1):
+        return False, 0.0
+    # Past the range it was fit on, the polynomial can turn negative, which would read as "no change" however much
+    # the input moved; the raw change stands in for it there.
+    rescaled = float(np.polyval(coefficients, change))
+    accumulated = cache.accumulated + (rescaled if rescaled > 0 else change)
+    if accumulated < cache.settings.threshold:
+        return True, accumulated
+    return False, 0.0
+
+
+def _replace(cache: BranchCache, reuse: bool, **fields) -> BranchCache:
+    counted = {"reused": cache.reused + 1} if reuse else {"computed": cache.computed + 1}
+    return dataclasses.replace(cache, **counted, **fields)
