@@ -47,9 +47,10 @@ def stage_deployment(cls: type, options: DeploymentConfig, **more) -> serve.Depl
 
 def deployment_options(options: DeploymentConfig) -> dict:
     """The preset's options in Serve's terms."""
-    actor = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus}
+    env = {"OMP_WAIT_POLICY": options.omp_wait_policy.upper()}  # read once, when the replica's process starts
     if options.torch_threads is not None:
-        actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(options.torch_threads)}}
+        env["OMP_NUM_THREADS"] = str(options.torch_threads)
+    actor = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus, "runtime_env": {"env_vars": env}}
     result = {
         "max_ongoing_requests": options.max_ongoing_requests,
         "max_queued_requests": options.max_queued_requests,

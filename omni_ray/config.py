@@ -71,6 +71,13 @@ class DeploymentConfig(_Frozen):
         "CPUs, at least 1. CPU presets raise it so that fractional replicas still use every core.",
     )
 
+    omp_wait_policy: Literal["passive", "active"] = Field(
+        "passive",
+        description="What each replica's idle OpenMP threads do (OMP_WAIT_POLICY): sleep (passive), or spin for the "
+        "next parallel region (active), which saves microseconds on a dedicated core and burns the cores that other "
+        "replicas of a CPU machine share.",
+    )
+
     @model_validator(mode="after")
     def _check_scaling(self) -> DeploymentConfig:
         if self.num_replicas is not None and self.autoscaling is not None:

@@ -67,6 +67,19 @@ def test_models_and_health(served):
         assert response.status == 200
 
 
+def test_replicas_run_their_presets_threads_and_idle_threads_sleep(served):
+    """Spinning OpenMP threads of three stage processes on two cores ate the gain of batching (issue 13)."""
+    import psutil
+
+    pids = served["local"].replica_pids()
+    assert set(pids) >= {"Coordinator", "Encoder", "DiT", "VAE"}
+    for name, pid in pids.items():
+        env = psutil.Process(pid).environ()
+        assert env.get("OMP_WAIT_POLICY") == "PASSIVE", name
+        if name != "Coordinator":
+            assert env.get("OMP_NUM_THREADS") == "2", name  # the tiny preset's torch_threads
+
+
 def test_http_images_match_diffusers_with_seed_per_image(served, reference):
     body = {"prompt": "a lighthouse at sunset", "n": 2, "size": "96x64", "seed": 7, "num_inference_steps": 3,
             "negative_prompt": "blurry", "true_cfg_scale": 4.0, "response_format": "b64_json"}
