@@ -71,7 +71,8 @@ class ImageGenerationRequest(BaseModel):
         try:
             return json.loads(value)
         except json.JSONDecodeError:
-            raise ValueError("expected a JSON object such as {\"kind\": \"first_block\", \"threshold\": 0.1}, or null") from None
+            example = '{"kind": "first_block", "threshold": 0.1}'
+            raise ValueError(f"expected a JSON object such as {example}, or null") from None
 
     @field_validator("prompt")
     @classmethod
