@@ -18,12 +18,12 @@ from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.errors import RequestError
 from omni_ray.pipeline import Pipeline
 from omni_ray.protocol import parse_request, plan_request
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
+from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
 from omni_ray.stages.dit_cache import BranchCache, cached_forward
 from omni_ray.stages.encode import PromptEncoder
 
 from conftest import REPO
-from test_dit_engine import TOLERANCE, run_to_completion
+from test_dit_engine import TOLERANCE, run_to_completion, runner  # noqa: F401 (runner: the fixture)
 
 PROMPTS = ["a red cat", "an oil painting of a lighthouse on a cliff at sunset", "a cup", "a kite over a beach"]
 NEGATIVES = ["blurry", "low quality", "dark, noisy, ugly, bad anatomy, watermark", " "]
@@ -35,11 +35,6 @@ def first_block(threshold):
 
 def teacache(threshold):
     return CacheSettings(kind="teacache", threshold=threshold)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_dir):
-    return DenoiseRunner.load(str(tiny_dir))
 
 
 @pytest.fixture(scope="module")
