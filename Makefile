@@ -55,3 +55,4 @@ bench: install
 	$(PY) -m benchmarks.serve_overhead
 	$(PY) -m benchmarks.edit_throughput
 	$(PY) -m benchmarks.dit_cache
+	$(PY) -m benchmarks.scale

@@ -24,21 +24,11 @@ import json
 import pathlib
 import time
 
-# Qwen/Qwen-Image's transformer/config.json and vae/config.json (diffusers' names).
-TRANSFORMER_CONFIG = {
-    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
-    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
-}
-VAE_CONFIG = {
-    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
-    "temperal_downsample": [False, True, True], "dropout": 0.0,
-}
-SCHEDULER_CONFIG = {
-    "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False, "max_image_seq_len": 8192,
-    "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
-    "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
-    "use_dynamic_shifting": True, "use_exponential_sigmas": False, "use_karras_sigmas": False,
-}
+from omni_ray.full_size import CONFIG_DIR, PUBLISHED_PARAMS, parameter_counts
+
+_SCHEDULER_FILE = CONFIG_DIR / "scheduler" / "scheduler_config.json"
+SCHEDULER_CONFIG = {k: v for k, v in json.loads(_SCHEDULER_FILE.read_text()).items() if not k.startswith("_")}
+FULL_LAYERS = 60
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, per the vendor's data sheets
 
 
@@ -52,10 +42,12 @@ def build(device: str, num_layers: int):
     import torch
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
+    transformer_config = QwenImageTransformer2DModel.load_config(CONFIG_DIR / "transformer")
+    transformer_config["num_layers"] = num_layers
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):  # random weights made on the GPU, in bf16: never 80 GB of fp32 on the host
-        transformer = QwenImageTransformer2DModel(**{**TRANSFORMER_CONFIG, "num_layers": num_layers})
-        vae = AutoencoderKLQwenImage(**VAE_CONFIG)
+        transformer = QwenImageTransformer2DModel.from_config(transformer_config)
+        vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(CONFIG_DIR / "vae"))
     torch.set_default_dtype(torch.float32)
     return transformer.eval(), vae.eval()
 
@@ -127,7 +119,7 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
             params = [DenoiseParams(side, side, 1000, seed=i, true_cfg_scale=4.0) for i in range(b)]
             states = [runner.prepare(p, embeds[2 * i], embeds[2 * i + 1]) for i, p in enumerate(params)]
             seconds = timed(lambda: runner.step(states), repeats)
-            flops = b * dit_flops(side, side, text_tokens, passes=2) * num_layers / TRANSFORMER_CONFIG["num_layers"]
+            flops = b * dit_flops(side, side, text_tokens, passes=2) * num_layers / FULL_LAYERS
             entry["dit"].append({
                 "batch": b, "step_s": round(seconds, 4), "step_s_per_image": round(seconds / b, 4),
                 "tflops": round(flops / seconds / 1e12, 1),
@@ -187,6 +179,26 @@ def plot(report: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+SHARED_PRESET = "stage_configs/qwen_image_shared.yaml"
+
+
+def dry_run() -> dict:
+    """The full-size models built on the meta device from the shipped configs: parameter counts against the
+    published ones; and the shared-GPU preset's placement check, stage by stage (any machine, a few seconds)."""
+    from dataclasses import asdict
+
+    from omni_ray.config import load_config
+    from omni_ray.placement import stage_memory
+
+    params = parameter_counts()
+    shared = load_config(pathlib.Path(__file__).resolve().parent.parent / SHARED_PRESET)  # raises if it cannot fit
+    return {"params": params, "published_params": PUBLISHED_PARAMS,
+            "params_off_published": {name: round(params[name] / PUBLISHED_PARAMS[name] - 1, 5) for name in params},
+            "placement": {"preset": SHARED_PRESET, "gpu_memory_gib": shared.gpu_memory_gib,
+                          "stages": [{**asdict(estimate), "fits": estimate.fits}
+                                     for estimate in stage_memory(shared, shared.gpu_memory_gib)]}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=[512, 1024, 1328])
@@ -196,7 +208,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=60, help="transformer blocks (60 is Qwen-Image; fewer to try)")
     parser.add_argument("--out", default="benchmarks/results/gpu.json")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: build the full-size models on the meta device and write their sizes")
     args = parser.parse_args()
+    if args.dry_run:
+        report = dry_run()
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report, indent=1))
+        return
     report = run(args.sizes, args.batches, args.steps, args.text_tokens, args.repeats, args.layers)
     out = pathlib.Path(args.out)
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from benchmarks.engine_throughput import REPO, RESULTS, machine, save_figure
+from omni_ray.client import connect_ray
 
 MAX_GROWTH_MB = 50.0
 INVALID = [  # (body, the param the 400 must name)
@@ -163,7 +164,7 @@ def phase(config: str, count: int, concurrency: int, edit: bool, timeout: float 
 
     print(f"{config}: {count} requests, {concurrency} at a time", flush=True)
     with LocalServe(REPO / config) as served:
-        ray.init(address=served.address, log_to_driver=False)
+        connect_ray(served.address)
         try:  # disconnect before LocalServe stops the cluster (`ray stop --force` ends connected drivers too)
             outcomes, elapsed, sampler, warm_at, baseline, end = drive(served, count, concurrency, edit, timeout)
         finally:

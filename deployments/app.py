@@ -51,6 +51,8 @@ def deployment_options(options: DeploymentConfig) -> dict:
     if options.torch_threads is not None:
         env["OMP_NUM_THREADS"] = str(options.torch_threads)
     actor = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus, "runtime_env": {"env_vars": env}}
+    if options.resources:
+        actor["resources"] = dict(options.resources)
     result = {
         "max_ongoing_requests": options.max_ongoing_requests,
         "max_queued_requests": options.max_queued_requests,

@@ -3,8 +3,8 @@
 Each route plans a request (validates it, resolves sizes, assigns seeds) and views the one event stream that
 ``omni_ray.request_path.run_request`` makes of it over the stage deployments (``ServeStages``): a JSON response
 drains it, server-sent events forward it, handle callers get either. Stage results pass from replica to replica by
-reference; only each image's final pixels come here, and they are encoded to PNG/JPEG/WebP on a thread, never on
-the event loop.
+reference; only each image's final pixels come here, and they are encoded to PNG/JPEG/WebP, base64 and JSON on
+threads, never on the event loop (``omni_event_loop_stall_seconds`` watches it).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import UploadFile
 
 from deployments import metrics
+from deployments.process import freeze_startup_heap
 from deployments.serve_stages import ServeStages
 from omni_ray.config import PipelineConfig
 from omni_ray.errors import OmniRayError, OverloadedError, PayloadTooLargeError, RequestError
@@ -37,6 +38,7 @@ from omni_ray.protocol import (
     error_body,
     image_stats,
     images_response,
+    json_bytes,
     load_input_image,
     parse_request,
     plan_request,
@@ -72,9 +74,31 @@ def _counting_errors() -> Iterator[None]:
 
 
 async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    """Server-sent events, one ``data:`` line of JSON each."""
+    """Server-sent events, one ``data:`` line of JSON each; an image's (megabytes of base64) is written on a
+    thread."""
     async for event in events:
-        yield f"data: {json.dumps(event)}\n\n".encode()
+        if "b64_json" in event:
+            yield await asyncio.to_thread(_sse_line, event)
+        else:
+            yield _sse_line(event)
+
+
+def _sse_line(event: dict) -> bytes:
+    return b"data: " + json_bytes(event) + b"\n\n"
+
+
+async def _watch_event_loop(period_s: float = 0.05) -> None:
+    """Measures how late the event loop wakes a sleeper (a stall: something ran on the loop for that long) and the
+    replica process's CPU time, into Prometheus."""
+    cpu = time.process_time()
+    while True:
+        before = time.perf_counter()
+        await asyncio.sleep(period_s)
+        metrics.event_loop_stall.observe(max(0.0, time.perf_counter() - before - period_s), tags=COORDINATOR)
+        now = time.process_time()
+        if now > cpu:  # Ray's counters refuse 0
+            metrics.process_cpu.inc(now - cpu, tags=COORDINATOR)
+            cpu = now
 
 
 @api.exception_handler(OmniRayError)
@@ -152,6 +176,11 @@ class Coordinator:
         self.config = config
         self.tokenizer = PromptTokenizer(config.model, template_for(config))
         self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
+        try:  # Serve runs the constructor on the event loop that serves the requests: the one to watch
+            self.watch = asyncio.get_running_loop().create_task(_watch_event_loop())
+        except RuntimeError:  # built outside an event loop, as in unit tests: nothing to watch
+            self.watch = None
+        freeze_startup_heap()
 
     @api.post("/v1/images/generations")
     async def generations(self, request: Request) -> Response:
@@ -179,7 +208,8 @@ class Coordinator:
         if plan.request.stream:
             return StreamingResponse(_sse(self.sse_events(plan, request_id)), media_type="text/event-stream",
                                      headers=headers)
-        return JSONResponse(await self.json_response(plan, request_id), headers=headers)
+        body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
+        return Response(body, media_type="application/json", headers=headers)
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -248,7 +278,7 @@ class Coordinator:
         request = plan.request
         files = await asyncio.gather(*(_encode_file(result, request) for result in results))
         stats = [image_stats(result.timings, result.dit_passes) for result in results]
-        return images_response(files, request, plan.height, plan.width, stats)
+        return await asyncio.to_thread(images_response, files, request, plan.height, plan.width, stats)
 
     async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
         """Progress after every denoising step of each image, each image as it is done, or one error event."""
@@ -259,7 +289,7 @@ class Coordinator:
                 data = await _encode_file(event.result, plan.request)
                 result = event.result
                 stats = image_stats(result.timings, result.dit_passes) if plan.request.timings else None
-                yield completed_event(plan, event.index, data, stats)
+                yield await asyncio.to_thread(completed_event, plan, event.index, data, stats)
             else:
                 error = event.error
                 yield {"type": "error", **error_body(str(error), error.error_type, getattr(error, "param", None))}

@@ -3,14 +3,19 @@
     with LocalServe("config.yaml", model="/tmp/tiny") as served:
         ...  # served.base_url, served.address
 
-Metrics are exported for Prometheus at ``served.metrics_url``. The head runs without the dashboard (it costs about 1.4 GB) and with more logical CPUs than cores, so the CPU
-presets' fractional replicas always fit.
+With ``workers``, more raylets join the head on this machine (``ray start --address``), each a node of its own with
+the custom resources given, so presets that pin stages by resource run across nodes as on a real cluster.
+
+Metrics are exported for Prometheus at ``served.metrics_url``. The head runs without the dashboard (it costs about
+1.4 GB) and with more logical CPUs than cores, so the CPU presets' fractional replicas always fit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +28,7 @@ import psutil
 import yaml
 
 BIN = pathlib.Path(sys.executable).parent
+WORKER_STORE_BYTES = 512 << 20  # each worker raylet's object store: they all share this machine's memory
 
 
 def free_port() -> int:
@@ -35,13 +41,16 @@ class LocalServe:
     """Starts a Ray head and `serve run` on a copy of ``config`` (free port, optional model override)."""
 
     def __init__(self, config: str | pathlib.Path, model: str | None = None, num_cpus: int = 4,
-                 ready_timeout_s: float = 300.0):
+                 ready_timeout_s: float = 300.0, head_resources: dict[str, float] | None = None,
+                 workers: list[dict[str, float]] = ()):
         self.config = yaml.safe_load(pathlib.Path(config).read_text())
         self.port, self.gcs_port, self.metrics_port = free_port(), free_port(), free_port()
         self.config["http_options"]["port"] = self.port
         if model is not None:
             self.config["applications"][0]["args"]["model"] = model
         self.num_cpus = num_cpus
+        self.head_resources = head_resources or {}
+        self.workers = list(workers)
         self.ready_timeout_s = ready_timeout_s
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -58,13 +67,24 @@ class LocalServe:
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(self.config))
         subprocess.run(
             [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
-             f"--metrics-export-port={self.metrics_port}", "--include-dashboard=false", "--disable-usage-stats"],
+             f"--metrics-export-port={self.metrics_port}", "--include-dashboard=false", "--disable-usage-stats",
+             f"--resources={json.dumps(self.head_resources)}"],
             check=True, env=self.env, capture_output=True, timeout=120,
         )
+        for resources in self.workers:
+            subprocess.run(
+                [str(BIN / "ray"), "start", f"--address={self.address}", f"--num-cpus={self.num_cpus}",
+                 f"--resources={json.dumps(resources)}", f"--object-store-memory={WORKER_STORE_BYTES}",
+                 "--disable-usage-stats"],
+                check=True, env=self.env, capture_output=True, timeout=120,
+            )
         self.process = subprocess.Popen(
             [str(BIN / "serve"), "run", "config.yaml", f"--address={self.address}"],
             cwd=self.workdir, env=self.env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True,  # a signal sent to it (tests send SIGINT and SIGTERM) stays with it
+            # Ctrl-C stops it as at a terminal, even when this process was started in the background by a
+            # shell without job control, which leaves SIGINT ignored for its children.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
             self._wait_ready()

@@ -42,3 +42,12 @@ dit_passes = metrics.Counter(
     "(true CFG runs two passes per step).",
     tag_keys=("stage", "outcome"),
 )
+event_loop_stall = metrics.Histogram(
+    "omni_event_loop_stall_seconds",
+    description="How late the coordinator's event loop woke a 50 ms sleeper: the longest anything ran on it.",
+    boundaries=[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5], tag_keys=("stage",),
+)
+process_cpu = metrics.Counter(
+    "omni_process_cpu_seconds_total", description="CPU time of the replica's process, all its threads.",
+    tag_keys=("stage",),
+)

@@ -12,9 +12,11 @@ import time
 from collections.abc import AsyncIterator
 
 import numpy as np
+import ray
 import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
 
 from deployments import metrics
+from deployments.process import freeze_startup_heap
 from deployments.serve_stages import Upstream
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
@@ -36,6 +38,7 @@ class _EngineShim:
         self.tags = {"stage": self.stage}
         self.engine = AsyncEngine(build_core, self.stage, on_step=self._record_step).start()
         logger.info("%s engine started", self.stage)
+        freeze_startup_heap()
 
     def _record_step(self, seconds: float, batch: int, held: int) -> None:
         metrics.step_latency.observe(seconds, tags=self.tags)
@@ -44,7 +47,8 @@ class _EngineShim:
 
     async def _run(self, request, what: str, timings: dict[str, float], timing: str = ""):
         """Runs one request in this engine: timed (into the result's ``timings``, as ``timing`` or the stage's
-        name), counted, logged under its id."""
+        name, and the part of it the request queued before its first step as ``<name>_queued``), counted, logged
+        under its id."""
         result = None
         async for item in self._stream(request, what, timings, timing):
             result = item
@@ -53,13 +57,15 @@ class _EngineShim:
     async def _stream(self, request, what: str, timings: dict[str, float], timing: str = "") -> AsyncIterator:
         """As ``_run``, yielding the engine's ``StepDone`` events before the result."""
         start = time.perf_counter()
+        name = timing or self.stage
+        queued = {}
         try:
-            async for item in self.engine.stream(request):
+            async for item in self.engine.stream(request, on_start=lambda s: queued.update({f"{name}_queued": s})):
                 if not isinstance(item, StepDone):
                     seconds = time.perf_counter() - start
                     metrics.stage_request_latency.observe(seconds, tags=self.tags)
                     logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
-                    item.timings = {**timings, timing or self.stage: seconds}
+                    item.timings = {**timings, name: seconds, **queued}
                 yield item
         except Exception as err:
             metrics.errors.inc(tags={**self.tags, "type": type(err).__name__})
@@ -71,9 +77,11 @@ class _EngineShim:
         self.engine.check_health()
 
     def stats(self) -> dict:
-        """Counters of the engine: requests it took, aborted, still running; steps it ran."""
+        """Counters of the engine: requests it took, aborted, still running; steps it ran; and the Ray node the
+        replica runs on."""
         engine = self.engine
         return {
+            "node_id": ray.get_runtime_context().get_node_id(),
             "requests": engine.num_requests,
             "aborted": engine.num_aborted,
             "running": engine.num_running,

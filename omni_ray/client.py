@@ -26,6 +26,20 @@ from omni_ray.errors import EngineError, RequestError
 APP_NAME = "omni-ray"
 
 
+def connect_ray(address: str | None = "auto", **options: Any) -> None:
+    """``ray.init`` for a driver that calls a Serve app, safe to repeat against another cluster in one process.
+
+    Ray Serve caches its controller's handle per driver job id, and job ids repeat from cluster to cluster (the
+    second driver of any cluster is job 2), so a process that talked to one cluster would reuse a dead handle on
+    the next ("Can't find actor ..."). Forgetting the cache after connecting makes Serve look the controller up.
+    """
+    import ray
+    from ray.serve import context
+
+    ray.init(address=address, log_to_driver=False, **options)
+    context._set_global_client(None)
+
+
 class Client:
     """Sends OpenAI-style image requests to the app and decodes the images."""
 
@@ -72,7 +86,7 @@ class Client:
         from ray.exceptions import RayTaskError
 
         if not ray.is_initialized():
-            ray.init(address=address, log_to_driver=False)
+            connect_ray(address)
         handle = serve.get_app_handle(app_name)
 
         def send(body: dict, image: bytes | None) -> dict:

@@ -71,6 +71,11 @@ class DeploymentConfig(_Frozen):
         "CPUs, at least 1. CPU presets raise it so that fractional replicas still use every core.",
     )
 
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica needs, e.g. {omni_dit_node: 1}: pins the stage to the nodes "
+        "(or KubeRay worker groups) that declare them.",
+    )
     omp_wait_policy: Literal["passive", "active"] = Field(
         "passive",
         description="What each replica's idle OpenMP threads do (OMP_WAIT_POLICY): sleep (passive), or spin for the "
@@ -86,6 +91,12 @@ class DeploymentConfig(_Frozen):
 
 
 class _StageConfig(_Frozen):
+    runner: Literal["model", "simulated"] = Field(
+        "model",
+        description="model: run the checkpoint. simulated: compute nothing, wait as long as the stage would take on "
+        "a GPU and return outputs of Qwen-Image's real shapes (omni_ray.stages.gpu_costs), for load tests on any "
+        "machine; only the tokenizer is read from `model`.",
+    )
     dtype: Dtype = Field("float32", description="Weights and activations dtype.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Torch device the stage runs on.")
     deployment: DeploymentConfig = Field(
@@ -105,6 +116,11 @@ class EncoderConfig(_StageConfig):
     )
     kv_cache_memory_bytes: PositiveInt = Field(
         256 << 20, description="KV cache the encoder reserves; prompts are encoded in one pass, so it stays small."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1,
+        description="Share of its GPU's memory vLLM may claim (vLLM's own setting); at most deployment.num_gpus when "
+        "the encoder shares its GPU with other stages.",
     )
 
 
@@ -222,10 +238,22 @@ class PipelineConfig(_Frozen):
         min_length=1,
         description="Checkpoint in diffusers' layout: a local directory, or a hub id such as 'Qwen/Qwen-Image'.",
     )
-    build_if_missing: Literal["tiny", "small"] | None = Field(
+    build_if_missing: Literal["tiny", "small", "dummy"] | None = Field(
         None,
-        description="Write this offline checkpoint (omni_ray.tiny, seed 0) to `model` on first start when the "
-        "directory is missing; for the CPU presets.",
+        description="Write this offline checkpoint to `model` on first start when the directory is missing: "
+        "`tiny` or `small` (omni_ray.tiny, seed 0) for the CPU presets, `dummy` (omni_ray.dummy: Qwen-Image's "
+        "full-size configs and a tokenizer, no weights) for `weights: dummy`.",
+    )
+    gpu_memory_gib: float | None = Field(
+        None, gt=0,
+        description="Memory of one GPU of the machines the GPU stages run on, in GiB; set, the preset is refused when "
+        "a stage's estimated peak memory does not fit its share of a GPU (omni_ray/placement.py).",
+    )
+    weights: Literal["checkpoint", "dummy"] = Field(
+        "checkpoint",
+        description="`checkpoint` loads each stage's weights from `model`; `dummy` builds each stage from "
+        "`model`'s configs with random weights on its device and in its dtype (vLLM's dummy load format for the "
+        "encoder), for timing and capacity tests without a download.",
     )
     requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
     coordinator: DeploymentConfig = Field(
@@ -243,10 +271,17 @@ class PipelineConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_stages(self) -> PipelineConfig:
+        from omni_ray.placement import check_placement
+
         for stage_name in ("encoder", "dit", "vae"):
             stage = getattr(self, stage_name)
             if stage.device.startswith("cuda") and stage.deployment.num_gpus == 0:
                 raise ValueError(f"{stage_name}.deployment.num_gpus must be > 0 when {stage_name}.device is cuda")
+        if self.build_if_missing == "dummy" and self.weights != "dummy":
+            raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
+        if self.weights == "dummy" and self.edit is not None:
+            raise ValueError("weights: dummy builds text-to-image only; edits need the edit checkpoint's weights")
+        check_placement(self)
         if self.dit.deployment.max_ongoing_requests < self.dit.max_batch_size:
             raise ValueError(
                 f"dit.deployment.max_ongoing_requests ({self.dit.deployment.max_ongoing_requests}) must be at least "
@@ -287,7 +322,11 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
         raise ConfigError(f"{source}: {_describe(err)}") from None
     if config.is_local:
         model_dir = pathlib.Path(config.model).expanduser()
-        if config.build_if_missing and not model_dir.exists():
+        if config.build_if_missing == "dummy" and not model_dir.exists():
+            from omni_ray.dummy import write_dummy_checkpoint
+
+            write_dummy_checkpoint(model_dir)
+        elif config.build_if_missing and not model_dir.exists():
             from omni_ray.tiny import write_checkpoint
 
             write_checkpoint(model_dir, seed=0, size=config.build_if_missing, edit=config.edit is not None)

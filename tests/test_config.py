@@ -50,6 +50,9 @@ def test_config_is_frozen(tiny_dir):
         (lambda d: d["vae"].update(max_batch_size=-2), "vae.max_batch_size", "greater than 0"),
         (lambda d: d["encoder"].update(max_num_seqs=0), "encoder.max_num_seqs", "greater than 0"),
         (lambda d: d["dit"].update(device="gpu"), "dit.device", "pattern"),
+        (lambda d: d["vae"].update(runner="fake"), "vae.runner", "'model' or 'simulated'"),
+        (lambda d: d["dit"]["deployment"].update(resources={"gpu_node": 0}), "dit.deployment.resources.gpu_node",
+         "greater than 0"),
         (lambda d: d.pop("name"), "name", "required"),
         (lambda d: d["dit"].update(device="cuda"), "dit.deployment.num_gpus", "must be > 0"),
         (
@@ -127,8 +130,21 @@ def test_every_field_is_described():
 def test_every_preset_validates():
     presets = sorted(PRESETS.glob("*.yaml"))
     assert {p.name for p in presets} >= {"qwen_image.yaml", "qwen_image_tiny.yaml", "qwen_image_edit.yaml",
-                                         "qwen_image_edit_tiny.yaml"}
+                                         "qwen_image_edit_tiny.yaml", "qwen_image_sim.yaml",
+                                         "qwen_image_dummy.yaml"}
     for path in presets:
         data = yaml.safe_load(path.read_text())
         data["model"] = "Qwen/Qwen-Image"  # the checkpoint may not be built here; the rest must validate
         parse_config(data, source=str(path))
+
+
+def test_deployment_options_carry_threads_and_custom_resources(tiny_dir):
+    from deployments.app import deployment_options
+
+    data = tiny_preset(tiny_dir)
+    data["dit"]["deployment"]["resources"] = {"omni_dit_node": 1}
+    config = parse_config(data)
+    dit = deployment_options(config.dit.deployment)["ray_actor_options"]
+    assert dit["resources"] == {"omni_dit_node": 1.0}
+    assert dit["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"}
+    assert "resources" not in deployment_options(config.vae.deployment)["ray_actor_options"]

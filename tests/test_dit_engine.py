@@ -14,8 +14,9 @@ from omni_ray.stages.encode import PromptEmbeds, PromptEncoder
 
 # Batched rows pad their text to the batch's longest (prompt or negative) with a mask. That moves the image tokens'
 # keys to other positions in the joint attention, which changes the order of float sums: rounding only, measured
-# at most 9e-6 on latents of magnitude 8 after 4 CFG steps (about 1e-6 relative). Padding-free rows match exactly.
-TOLERANCE = 1e-5
+# at most 9e-6 on one machine and 1.24e-5 on another (AMD EPYC, same torch) on latents of magnitude 8 after 4 CFG
+# steps: about 1.5e-6 relative, a dozen float32 ulps. Padding-free rows match exactly.
+TOLERANCE = 2e-5
 
 PROMPTS = [
     "a red cat",

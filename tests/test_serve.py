@@ -14,8 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.load import scrape, total
 from conftest import REPO
 from deployments.local import LocalServe
+from omni_ray.client import connect_ray
 
 pytestmark = pytest.mark.serve
 def post(url: str, body, timeout: float = 300) -> tuple[int, dict]:
@@ -143,7 +145,7 @@ def test_sixteen_concurrent_requests_complete_and_batch_in_the_dit(served):
     assert [status for status, _ in results] == [200] * 16
     assert all(png(r["data"][0]["b64_json"]).shape == (64, 64, 3) for _, r in results)
     try:
-        ray.init(address=served["address"], log_to_driver=False)
+        connect_ray(served["address"])
         sizes = serve.get_deployment_handle("DiT", "omni-ray").stats.remote().result()["batch_sizes"]
     finally:
         ray.shutdown()
@@ -215,7 +217,7 @@ def stage_stats(served) -> dict:
     from ray import serve
 
     try:
-        ray.init(address=served["address"], log_to_driver=False)
+        connect_ray(served["address"])
         return {name: serve.get_deployment_handle(name, "omni-ray").stats.remote().result()
                 for name in ("Encoder", "DiT", "VAE")}
     finally:
@@ -275,23 +277,20 @@ def test_a_client_that_disconnects_aborts_its_request_and_others_are_unchanged(s
 # --- observability: metrics and request ids ---------------------------------------------------------------------
 
 
-def scrape(url: str) -> dict[tuple[str, str], float]:
-    """Prometheus text as {(metric name, labels text): value}."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name, _, labels = name_labels.partition("{")
-        samples[(name, labels)] = float(value)
-    return samples
-
-
-def total(samples, name: str, **labels) -> float:
-    wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    return sum(v for (n, l), v in samples.items() if n == name and all(w in l for w in wanted))
+def quiet(url: str, timeout: float = 30.0) -> dict:
+    """A scrape once the earlier tests' last requests have reached the exporter: two in a row agree (Ray exports
+    every second here)."""
+    moving = ("event_loop", "cpu_seconds")  # the coordinator's watch samples these all the time
+    omni = lambda samples: {k: v for k, v in samples.items()
+                            if k[0].startswith("ray_omni_") and not any(m in k[0] for m in moving)}
+    deadline = time.monotonic() + timeout
+    last = omni(scrape(url))
+    while True:
+        time.sleep(2.5)
+        samples = scrape(url)
+        if omni(samples) == last or time.monotonic() > deadline:
+            return samples
+        last = omni(samples)
 
 
 def test_prometheus_metrics_per_stage(served):
@@ -302,7 +301,7 @@ def test_prometheus_metrics_per_stage(served):
             time.sleep(1)
         return samples
 
-    before = scrape(served["metrics"])
+    before = quiet(served["metrics"])
     bodies = [{"prompt": "a red cat", "size": "64x64", "seed": 1, "num_inference_steps": 3, "n": 2},
               {"prompt": "a cup", "size": "64x64", "seed": 2, "num_inference_steps": 3},
               {"prompt": "a bowl", "size": "64x64", "seed": 3, "num_inference_steps": 3, "negative_prompt": "dark"},
@@ -332,6 +331,10 @@ def test_prometheus_metrics_per_stage(served):
     # The DiT ran 3 steps per request: at least 3 steps, and the batch gauge is within the preset's limit.
     assert delta(samples, "ray_omni_step_latency_seconds_count", stage="dit") >= 3
     assert 1 <= total(samples, "ray_omni_running_batch_size", stage="dit") <= 8
+    # The coordinator watches its event loop (a sample every 50 ms) and counts its process's CPU time.
+    samples = settled(lambda s: total(s, "ray_omni_event_loop_stall_seconds_count", stage="coordinator") >= 10
+                      and total(s, "ray_omni_process_cpu_seconds_total", stage="coordinator") > 0)
+    assert total(samples, "ray_omni_event_loop_stall_seconds_bucket", stage="coordinator", le="+Inf") >= 10
 
 
 def test_a_request_id_flows_through_every_stage_and_back(served):
@@ -373,6 +376,8 @@ def test_streaming_sends_one_progress_event_per_step_then_the_same_image(served)
     assert set(plain["data"][0]["timings_ms"]) == {"encoder", "dit", "vae"}
     assert plain["data"][0]["dit_passes"] == {"computed": 8, "reused": 0}  # 4 steps, two CFG passes each
     assert all(ms > 0 for ms in plain["data"][0]["timings_ms"].values())
+    timings, queued = plain["data"][0]["timings_ms"], plain["data"][0]["queued_ms"]
+    assert set(queued) == set(timings) and all(0 <= queued[stage] < timings[stage] for stage in timings)
     assert events[-1]["size"] == "64x64" and events[-1]["output_format"] == "png"
 
 
@@ -430,7 +435,7 @@ def test_mixed_load_survives_the_death_of_each_stage_replica(served, reference):
 
     store_bytes = served["local"].store_bytes
 
-    ray.init(address=served["address"], log_to_driver=False, namespace="serve")
+    connect_ray(served["address"], namespace="serve")
     try:
         baseline = store_bytes()
         invalid = [b for b in BAD_REQUESTS if isinstance(b[0], dict)]
@@ -525,7 +530,7 @@ def test_a_redeploy_that_restarts_the_dit_under_load_loses_no_request(served, ti
         finished.append(i)
         return body, outcome
 
-    ray.init(address=served["address"], log_to_driver=False, namespace="serve")
+    connect_ray(served["address"], namespace="serve")
     try:
         dit_before = replica_names(served)["DiT"]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:

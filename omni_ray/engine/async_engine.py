@@ -27,6 +27,7 @@ from omni_ray.errors import EngineError, request_failure
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
+StartCallback = Callable[[float], None]  # seconds the request waited before the first step that ran it
 StepCallback = Callable[[float, int, int], None]  # (seconds, requests the step touched, requests still held)
 
 
@@ -35,6 +36,9 @@ class _Caller:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     on_progress: ProgressCallback | None
+    on_start: StartCallback | None = None
+    added_at: float = 0.0  # monotonic, when the caller asked
+    started: bool = False  # a step has run it
 
 
 class AsyncEngine:
@@ -71,27 +75,29 @@ class AsyncEngine:
             raise EngineError(f"engine failed to start: {self._build_error}", self.name) from self._build_error
         return self
 
-    async def generate(self, request, on_progress: ProgressCallback | None = None) -> Any:
+    async def generate(self, request, on_progress: ProgressCallback | None = None,
+                       on_start: StartCallback | None = None) -> Any:
         """Adds ``request`` (its ``request_id`` must be unique) and returns its stage result (the core's
-        ``pooling_output``); raises the EngineError it failed with."""
+        ``pooling_output``); raises the EngineError it failed with. ``on_progress`` gets each step's progress,
+        ``on_start`` once the seconds it queued before its first step began."""
         if not self._thread.is_alive():
             raise EngineError("engine loop is not running", self.name)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(("add", (request, _Caller(loop, future, on_progress))))
+        self._commands.put(("add", (request, _Caller(loop, future, on_progress, on_start, time.monotonic()))))
         try:
             return await future
         except asyncio.CancelledError:
             self.abort(request.request_id)
             raise
 
-    async def stream(self, request) -> AsyncIterator[Any]:
+    async def stream(self, request, on_start: StartCallback | None = None) -> AsyncIterator[Any]:
         """``StepDone`` after every step of ``request``, then its stage result. Closing the stream aborts it."""
         steps: asyncio.Queue[StepDone] = asyncio.Queue()
         def on_progress(done: int, total: int) -> None:
             steps.put_nowait(StepDone(done, total))
 
-        result = asyncio.ensure_future(self.generate(request, on_progress))
+        result = asyncio.ensure_future(self.generate(request, on_progress, on_start))
         try:
             while not result.done() or not steps.empty():
                 step = asyncio.ensure_future(steps.get())
@@ -157,7 +163,7 @@ class AsyncEngine:
                 self._busy_since = None
             self.num_steps += 1
             for output in outputs:
-                self._deliver(output)
+                self._deliver(output, started)
             if self.on_step is not None and outputs:
                 self.on_step(time.monotonic() - started, len(outputs), len(self._callers))
 
@@ -202,10 +208,14 @@ class AsyncEngine:
         error.stage = error.stage or self.name
         return error
 
-    def _deliver(self, output: EngineCoreOutput) -> None:
+    def _deliver(self, output: EngineCoreOutput, step_started: float | None = None) -> None:
         caller = self._callers.get(output.request_id)
         if caller is None:  # aborted meanwhile
             return
+        if not caller.started and step_started is not None:
+            caller.started = True
+            if caller.on_start is not None:
+                caller.loop.call_soon_threadsafe(caller.on_start, max(0.0, step_started - caller.added_at))
         if caller.on_progress is not None and output.progress is not None:
             caller.loop.call_soon_threadsafe(caller.on_progress, *output.progress)
         if not output.finished:

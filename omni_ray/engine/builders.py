@@ -12,31 +12,45 @@ from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.stages.decode import VaeRunner
 from omni_ray.stages.denoise import DenoiseRunner
 from omni_ray.stages.encode import PromptTokenizer, VllmEncoder, template_for
+from omni_ray.stages.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 
 
 def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
-    """vLLM's engine core on the text encoder (with its vision tower for edits). vLLM binds threads for its whole
-    process: give it its own."""
+    """vLLM's engine core on the text encoder (with its vision tower for edits), or the simulated encoder. vLLM binds
+    threads for its whole process: give it its own."""
     stage = config.encoder
-    encoder = VllmEncoder(
-        config.model,
-        dtype=stage.dtype,
-        max_num_seqs=stage.max_num_seqs,
-        max_model_len=stage.max_model_len,
-        kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
-        max_image_pixels=config.edit.max_vision_pixels if config.edit is not None else None,
-    )
     tokenizer = PromptTokenizer(config.model, template_for(config))
+    if stage.runner == "simulated":
+        encoder = SimulatedEncoder(getattr(torch, stage.dtype), stage.max_num_seqs)
+    else:
+        encoder = VllmEncoder(
+            config.model,
+            dtype=stage.dtype,
+            max_num_seqs=stage.max_num_seqs,
+            max_model_len=stage.max_model_len,
+            kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
+            max_image_pixels=config.edit.max_vision_pixels if config.edit is not None else None,
+            dummy=config.weights == "dummy",
+            gpu_memory_utilization=stage.gpu_memory_utilization,
+        )
     return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length)
 
 
 def build_dit_core(config: PipelineConfig) -> EngineCore:
     stage = config.dit
-    runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients)
-    return EngineCore(DiTScheduler(stage.max_batch_size, stage.max_wait_steps), runner)
+    scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps)
+    if stage.runner == "simulated":
+        return EngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
+    runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
+                                dummy=config.weights == "dummy")
+    return EngineCore(scheduler, runner)
 
 
 def build_vae_core(config: PipelineConfig) -> EngineCore:
     stage = config.vae
-    runner = VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device)
+    if stage.runner == "simulated":
+        runner = SimulatedVae(getattr(torch, stage.dtype))
+    else:
+        runner = VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device,
+                                dummy=config.weights == "dummy")
     return EngineCore(VAEScheduler(stage.max_batch_size), runner)

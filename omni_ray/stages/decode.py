@@ -21,6 +21,7 @@ from diffusers.image_processor import VaeImageProcessor
 from omni_ray.config import SIZE_MULTIPLE
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.stages.denoise import Latents, pack_latents
+from omni_ray.stages.random_weights import random_model
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +107,12 @@ class VaeRunner:
         self.latents_std = torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
 
     @classmethod
-    def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> VaeRunner:
-        """The runner of a checkpoint's ``vae/``."""
+    def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu", dummy: bool = False
+             ) -> VaeRunner:
+        """The runner of a checkpoint's ``vae/``; with ``dummy``, built from its config with random weights."""
+        if dummy:
+            config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
+            return cls(random_model(AutoencoderKLQwenImage, config, dtype, device))
         return cls(AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device))
 
     def execute_model(self, batch: DecodeBatch) -> DecodeOutput:

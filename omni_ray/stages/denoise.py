@@ -21,6 +21,7 @@ from omni_ray.config import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, CacheSettings
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.stages.dit_cache import BranchCache, cached_forward
 from omni_ray.stages.encode import PromptEmbeds
+from omni_ray.stages.random_weights import random_model
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +162,15 @@ class DenoiseRunner:
     @classmethod
     def load(
         cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-        teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE,
+        teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False,
     ) -> DenoiseRunner:
-        """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``)."""
-        transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
+        """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
+        ``dummy``, its transformer built from the config with random weights."""
+        if dummy:
+            config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
+            transformer = random_model(QwenImageTransformer2DModel, config, dtype, device)
+        else:
+            transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
         assert 2 ** len(vae_config["temperal_downsample"]) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")

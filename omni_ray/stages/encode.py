@@ -281,6 +281,8 @@ class VllmEncoder:
         max_model_len: int = 1058,
         kv_cache_memory_bytes: int = 256 << 20,
         max_image_pixels: int | None = None,
+        dummy: bool = False,
+        gpu_memory_utilization: float = 0.9,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Left on, vLLM replaces the process's logging set-up on import, and a Serve replica loses its log file.
@@ -312,9 +314,11 @@ class VllmEncoder:
             enforce_eager=True,
             distributed_executor_backend="uni",
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
             runner="pooling",
             convert="embed",
             pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
+            load_format="dummy" if dummy else "auto",  # dummy: vLLM's random weights, from the config alone
             **modality,
         ).create_engine_config()
         self.core = EngineCore(self.config, _loopback_executor(UniProcExecutor), log_stats=False)

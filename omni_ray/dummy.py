@@ -1,0 +1,89 @@
+"""A full-size Qwen-Image without weights: the shipped configs and a locally built tokenizer, for `weights: dummy`.
+
+    python -m omni_ray.dummy OUT_DIR               # Qwen-Image's real architecture (omni_ray/model_configs)
+    python -m omni_ray.dummy OUT_DIR --layers 1    # the same widths, 1 transformer block and 1 language-model layer
+
+The directory is in diffusers' layout with every component's config and no weight file; a preset with
+``weights: dummy`` builds each stage from it with random weights on its device, in its dtype (the encoder through
+vLLM's own dummy load format). Timings do not depend on the weights' values; the images are noise.
+
+The tokenizer is the tiny checkpoint's byte-level BPE (the prompt templates' dropped prefixes keep Qwen's 34 and 64
+tokens), its vocabulary padded to Qwen's 151,643 regular tokens so that Qwen's special tokens take Qwen's ids
+(``<|endoftext|>`` 151643 ... ``<|image_pad|>`` 151655). Prompts tokenise to more tokens than with Qwen's vocabulary
+(about one per 1.5 characters of ordinary text, against one per 4), which lengthens the text part of a DiT step a
+little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+
+from omni_ray.full_size import CONFIG_DIR
+
+QWEN_REGULAR_TOKENS = 151_643  # Qwen2's vocabulary before its special tokens
+
+
+def qwen_sized_tokenizer():
+    """The tiny tokenizer with its vocabulary padded so that the special tokens take Qwen's ids."""
+    from transformers import Qwen2Tokenizer
+
+    from omni_ray.tiny import SPECIAL_TOKENS, build_tokenizer
+
+    tiny = build_tokenizer()
+    vocab = {token: index for token, index in tiny.get_vocab().items() if token not in SPECIAL_TOKENS}
+    # Fillers no merge produces: they only move the special tokens to Qwen's ids.
+    vocab.update({f"<|unused_{index}|>": index for index in range(len(vocab), QWEN_REGULAR_TOKENS)})
+    merges = json.loads(tiny.backend_tokenizer.to_str())["model"]["merges"]
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges],
+        unk_token=None,
+        eos_token=None,
+        pad_token=None,
+        model_max_length=131072,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})  # in Qwen's order
+    tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    return tokenizer
+
+
+def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = None) -> pathlib.Path:
+    """Writes the shipped configs (with ``layers`` transformer blocks and language-model layers, if given) and the
+    tokenizer to ``out_dir``; no weights."""
+    out = pathlib.Path(out_dir).expanduser()
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(CONFIG_DIR, partial, ignore=shutil.ignore_patterns("tokenizer"))
+    if layers is not None:
+        _edit(partial / "transformer" / "config.json", lambda c: c.update(num_layers=layers))
+        _edit(partial / "text_encoder" / "config.json", lambda c: c["text_config"].update(
+            num_hidden_layers=layers, max_window_layers=layers, layer_types=["full_attention"] * layers))
+    qwen_sized_tokenizer().save_pretrained(partial / "tokenizer")
+    try:
+        partial.rename(out)  # whole or not at all: replicas starting together see a complete directory
+    except OSError:  # another process wrote it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def _edit(path: pathlib.Path, change) -> None:
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m omni_ray.dummy", description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", help="directory to write to")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer blocks and language-model layers (default: Qwen-Image's 60 and 28)")
+    args = parser.parse_args(argv)
+    print(f"wrote a weightless Qwen-Image to {write_dummy_checkpoint(args.out_dir, args.layers)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Whether a GPU preset's stages fit the GPU share each replica reserves, before anything starts.
+
+A preset that declares ``gpu_memory_gib`` (one GPU's memory on the target machines) is checked stage by stage: the
+estimated peak memory of one replica must fit ``deployment.num_gpus`` of that GPU. The estimates are Qwen-Image's
+full size (the shipped configs' parameter counts) at the stage's dtype, plus what the stage's settings add, with
+the per-image activation figures measured on an H100 (benchmarks/results/gpu.json, bf16):
+
+- DiT: 1.2 GiB per request in a step at 1328x1328 with true CFG, linear in pixels, times ``dit.max_batch_size``;
+- VAE: 4.0 GiB per megapixel decoded (7.0 GiB at 1328x1328), times ``vae.max_batch_size``;
+- encoder: the language model's weights (and the vision tower's for edits), the preset's KV cache, and 2 GiB of
+  activations and workspace;
+- every stage: 1 GiB for the CUDA context and the allocator's slack.
+
+The largest image is ``requests.max_side`` squared. These are estimates, not guarantees: they refuse what cannot
+fit and leave what may fit to a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omni_ray.full_size import PUBLISHED_PARAMS
+
+GIB = 1 << 30
+BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
+VISION_PARAMS = 676_550_144  # Qwen2.5-VL-7B's vision tower, inside PUBLISHED_PARAMS["text_encoder"]
+CONTEXT_GIB = 1.0
+DIT_GIB_PER_REQUEST_1328 = 1.2  # measured: peak at b=8 minus b=1, over 7, on an H100 (gpu.json)
+VAE_GIB_PER_MEGAPIXEL = 4.0  # measured: 7.0 GiB to decode one 1328x1328 image
+ENCODER_ACTIVATIONS_GIB = 2.0
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: str
+    need_gib: float  # estimated peak of one replica
+    share_gib: float  # what its num_gpus reserves of one declared GPU
+    detail: str
+
+    @property
+    def fits(self) -> bool:
+        return self.need_gib <= self.share_gib
+
+
+def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
+    """The estimate for each GPU stage of ``config`` (a PipelineConfig) against its share of one GPU."""
+    side = config.requests.max_side
+    pixels = side * side
+    out = []
+    for name in ("encoder", "dit", "vae"):
+        stage = getattr(config, name)
+        if stage.deployment.num_gpus == 0 or stage.runner != "model":
+            continue
+        width = BYTES_PER_PARAM[stage.dtype]
+        if name == "encoder":
+            params = PUBLISHED_PARAMS["text_encoder"] - (0 if config.edit is not None else VISION_PARAMS)
+            extra = stage.kv_cache_memory_bytes / GIB + ENCODER_ACTIVATIONS_GIB
+            detail = f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
+        elif name == "dit":
+            params = PUBLISHED_PARAMS["transformer"]
+            extra = stage.max_batch_size * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2
+            detail = (f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB for "
+                      f"{stage.max_batch_size} requests at {side}x{side}")
+        else:
+            params = PUBLISHED_PARAMS["vae"]
+            extra = stage.max_batch_size * VAE_GIB_PER_MEGAPIXEL * pixels / 1e6
+            detail = (f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB to decode "
+                      f"{stage.max_batch_size} images at {side}x{side}")
+        need = params * width / GIB + extra + CONTEXT_GIB
+        out.append(StageMemory(name, round(need, 1), round(stage.deployment.num_gpus * gpu_memory_gib, 1), detail))
+    return out
+
+
+def check_placement(config) -> None:
+    """Raises ValueError naming the field when a stage cannot fit its GPU share (with ``gpu_memory_gib`` set), or
+    when a vLLM encoder on part of a GPU would claim more of it than its share."""
+    encoder = config.encoder
+    if encoder.device.startswith("cuda") and encoder.gpu_memory_utilization > encoder.deployment.num_gpus:
+        raise ValueError(
+            f"encoder.gpu_memory_utilization ({encoder.gpu_memory_utilization}) exceeds the encoder's share of its "
+            f"GPU (encoder.deployment.num_gpus: {encoder.deployment.num_gpus}): vLLM would claim memory the stages "
+            "sharing the GPU hold"
+        )
+    if config.gpu_memory_gib is None:
+        return
+    for estimate in stage_memory(config, config.gpu_memory_gib):
+        if not estimate.fits:
+            raise ValueError(
+                f"{estimate.stage}.deployment.num_gpus: the {estimate.stage} needs about {estimate.need_gib} GiB "
+                f"({estimate.detail}), more than its {estimate.share_gib} GiB share of a {config.gpu_memory_gib} "
+                "GiB GPU (gpu_memory_gib)"
+            )

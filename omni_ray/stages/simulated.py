@@ -1,0 +1,189 @@
+"""Model runners that compute nothing: each waits as long as its stage would take on a GPU (``gpu_costs``) and
+returns outputs of the real shapes and dtypes, so that the deployments, engines and schedulers run at Qwen-Image's
+real sizes on any machine (``runner: simulated`` in a preset; ``stage_configs/qwen_image_sim.yaml``).
+
+Each stands exactly where its real runner stands: ``SimulatedEncoder`` under the encoder's engine core (vLLM's
+``EngineCore`` interface: add, abort, step), ``SimulatedDenoiser`` and ``SimulatedVae`` under ``EngineCore`` with
+the DiT's and the VAE's schedulers. The VAE's pixels are photo-like (smooth colour fields, texture and noise), so
+that a PNG of them costs what a generated image's costs (about 400 ms at 1328x1328 on the CPU here).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from omni_ray.config import SIZE_MULTIPLE
+from omni_ray.errors import request_failure
+from omni_ray.stages.decode import Decoded, DecodeBatch, DecodeOutput, ImageEncodeRequest
+from omni_ray.stages.denoise import DenoiseBatch, DenoiseOutput, DenoiseParams, Latents, uses_true_cfg
+from omni_ray.stages.gpu_costs import LATENT_CHANNELS, TEXT_HIDDEN, GpuCosts, image_tokens
+
+VISION_PATCH = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2 into one token
+
+
+def _wait_until(deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+class SimulatedEncoder:
+    """Stands for ``VllmEncoder``: each step takes up to ``max_num_seqs`` queued sequences, as vLLM's scheduler
+    batches prompts, and returns each one's last hidden states ``[tokens, 3584]`` after the step's simulated time."""
+
+    def __init__(self, dtype: torch.dtype, max_num_seqs: int, costs: GpuCosts | None = None):
+        self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.costs = costs or GpuCosts.h200()
+        self.waiting: dict[str, int] = {}  # sequence id -> tokens, in arrival order
+
+    def add(self, request_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None:
+        tokens = len(token_ids)
+        if image is not None:  # the one placeholder token becomes the image's tokens
+            tokens += (image.shape[0] // VISION_PATCH) * (image.shape[1] // VISION_PATCH) - 1
+        self.waiting[request_id] = tokens
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.waiting.pop(request_id, None)
+
+    def step(self) -> dict[str, torch.Tensor]:
+        started = time.monotonic()
+        batch = dict(list(self.waiting.items())[: self.max_num_seqs])
+        for sequence_id in batch:
+            del self.waiting[sequence_id]
+        hidden = {sequence_id: torch.zeros(tokens, TEXT_HIDDEN, dtype=self.dtype)
+                  for sequence_id, tokens in batch.items()}
+        _wait_until(started + self.costs.encoder_step(sum(batch.values())))
+        return hidden
+
+    def shutdown(self) -> None:
+        self.waiting.clear()
+
+
+@dataclass(slots=True)
+class _Denoising:
+    params: DenoiseParams
+    text_tokens: int  # the longer of the prompt's and (with true CFG) the negative prompt's
+    true_cfg: bool
+    image_tokens: int  # an edit's input image tokens, riding in every pass
+    step_index: int = 0
+
+    @property
+    def passes(self) -> int:
+        return self.params.num_inference_steps * (2 if self.true_cfg else 1)
+
+
+class SimulatedDenoiser:
+    """Stands for ``DenoiseRunner`` under the DiT's scheduler: a step of the batch the scheduler formed takes the
+    simulated time of that batch (fixed overhead plus every pass's FLOPs), and a finished request's latents are
+    ``[tokens, 64]`` noise of the stage's dtype, drawn from its seed. Cache acceleration is not simulated: every
+    pass counts as computed."""
+
+    def __init__(self, dtype: torch.dtype, costs: GpuCosts | None = None):
+        self.dtype = dtype
+        self.costs = costs or GpuCosts.h200()
+        self.states: dict[str, _Denoising] = {}
+
+    def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
+        started = time.monotonic()
+        for request_id in batch.freed_ids:
+            self.states.pop(request_id, None)
+        output = DenoiseOutput(finished={}, errors={}, progress={})
+        for request in batch.new_requests:
+            params = request.params
+            if params.height % SIZE_MULTIPLE or params.width % SIZE_MULTIPLE:
+                error = ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}")
+                output.errors[request.request_id] = request_failure(error)
+                continue
+            true_cfg = uses_true_cfg(params.true_cfg_scale, request.negative is not None)
+            texts = [request.prompt] + ([request.negative] if true_cfg else [])
+            extra = image_tokens(request.image.height, request.image.width) if request.image is not None else 0
+            self.states[request.request_id] = _Denoising(params, max(t.num_tokens for t in texts), true_cfg, extra)
+        stepped = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
+        if not stepped:
+            return output
+        first = next(iter(stepped.values()))
+        seconds = self.costs.dit_step(
+            len(stepped), first.params.height, first.params.width, max(s.text_tokens for s in stepped.values()),
+            first.true_cfg, first.image_tokens,
+        )
+        for request_id, state in stepped.items():
+            state.step_index += 1
+            output.progress[request_id] = (state.step_index, state.params.num_inference_steps)
+            if state.step_index >= state.params.num_inference_steps:
+                output.finished[request_id] = self._latents(self.states.pop(request_id))
+        _wait_until(started + seconds)
+        return output
+
+    def _latents(self, state: _Denoising) -> Latents:
+        params = state.params
+        generator = torch.Generator().manual_seed(params.seed)
+        latents = torch.randn(image_tokens(params.height, params.width), LATENT_CHANNELS, generator=generator)
+        return Latents(latents.to(self.dtype), params.height, params.width,
+                       dit_passes={"computed": state.passes, "reused": 0})
+
+
+class SimulatedVae:
+    """Stands for ``VaeRunner`` under the VAE's scheduler: a batch takes the simulated time of its pixels; decoding
+    gives photo-like uint8 ``[H, W, 3]`` pixels, encoding an edit's image gives zero latents ``[tokens, 64]``."""
+
+    def __init__(self, dtype: torch.dtype, costs: GpuCosts | None = None):
+        self.dtype = dtype
+        self.costs = costs or GpuCosts.h200()
+
+    def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
+        started = time.monotonic()
+        output = DecodeOutput(finished={}, errors={})
+        pixels = 0
+        for request in batch.requests:
+            try:
+                if isinstance(request, ImageEncodeRequest):
+                    height, width = request.image.shape[:2]
+                    latents = torch.zeros(image_tokens(height, width), LATENT_CHANNELS, dtype=self.dtype)
+                    output.finished[request.request_id] = Latents(latents, height, width)
+                    pixels += height * width
+                    continue
+                latents = request.latents
+                image = None
+                if request.output != "latents":
+                    image = photo_like(latents.height, latents.width, _variant(latents)).copy()
+                    pixels += latents.height * latents.width
+                output.finished[request.request_id] = Decoded(
+                    pixels=image, latents=latents if request.output != "pixels" else None,
+                    dit_passes=latents.dit_passes,
+                )
+            except Exception as err:
+                output.errors[request.request_id] = request_failure(err)
+        _wait_until(started + self.costs.vae_step(pixels))
+        return output
+
+
+def _variant(latents: Latents, variants: int = 4) -> int:
+    """One of a few images per size, picked by the latents (so by the request's seed)."""
+    return int(abs(float(latents.latents[0, 0])) * 1e4) % variants
+
+
+@lru_cache(maxsize=16)
+def photo_like(height: int, width: int, variant: int = 0) -> np.ndarray:
+    """A deterministic image that compresses like a photograph: smooth colour fields, mid-scale texture and a little
+    sensor noise (a 1328x1328 PNG of it is about 3 MB and takes as long to encode as a generated image's). Read-only:
+    callers copy."""
+    rng = np.random.default_rng(variant)
+    from PIL import Image
+
+    def field(cells_h: int, cells_w: int, resample) -> np.ndarray:
+        cells = rng.integers(0, 256, (max(cells_h, 2), max(cells_w, 2), 3), dtype=np.uint8)
+        return np.asarray(Image.fromarray(cells).resize((width, height), resample), np.float32)
+
+    image = 0.7 * field(6, 6, Image.BICUBIC) + 0.3 * field(height // 8, width // 8, Image.BILINEAR)
+    image += rng.normal(0, 3, image.shape).astype(np.float32)
+    image = np.clip(image, 0, 255).astype(np.uint8)
+    image.flags.writeable = False
+    return image
+

@@ -1,0 +1,68 @@
+"""`weights: dummy`: a weightless Qwen-Image (omni_ray.dummy) served by the real engines with random weights."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import REPO
+from omni_ray.config import ConfigError, load_config, parse_config
+from omni_ray.dummy import write_dummy_checkpoint
+from omni_ray.tiny import SPECIAL_TOKENS
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory):
+    """Qwen-Image's widths with 1 transformer block and 1 language-model layer: the full-size code path at a size
+    a CPU runs."""
+    return write_dummy_checkpoint(tmp_path_factory.mktemp("dummy") / "qwen-image-1-layer", layers=1)
+
+
+def test_the_dummy_checkpoint_has_the_configs_and_a_tokenizer_with_qwen_s_ids_but_no_weights(reduced):
+    from transformers import AutoTokenizer
+
+    from omni_ray.stages.encode import PromptTokenizer
+
+    assert not list(reduced.rglob("*.safetensors"))
+    assert json.loads((reduced / "transformer/config.json").read_text())["num_layers"] == 1
+    assert json.loads((reduced / "transformer/config.json").read_text())["joint_attention_dim"] == 3584
+    tokenizer = AutoTokenizer.from_pretrained(reduced / "tokenizer")
+    assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(151643, 151643 + len(SPECIAL_TOKENS)))
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert PromptTokenizer(str(reduced)).num_tokens("a red cat", None) > 0  # the template's prefix drops as Qwen's
+
+
+def dummy_preset(model, **changes) -> dict:
+    preset = yaml.safe_load((REPO / "stage_configs/qwen_image_tiny.yaml").read_text())
+    preset.pop("build_if_missing")
+    return {**preset, "name": "qwen-image-dummy-1-layer", "model": str(model), "weights": "dummy", **changes}
+
+
+def test_presets_refuse_dummy_settings_that_cannot_work(reduced):
+    with pytest.raises(ConfigError, match="build_if_missing: dummy writes no weights"):
+        parse_config(dummy_preset(reduced, weights="checkpoint", build_if_missing="dummy"))
+    edit = yaml.safe_load((REPO / "stage_configs/qwen_image_edit_tiny.yaml").read_text())
+    with pytest.raises(ConfigError, match="weights: dummy builds text-to-image only"):
+        parse_config({**edit, "weights": "dummy"})
+    shipped = load_config(REPO / "stage_configs/qwen_image_dummy.yaml", model=str(reduced))
+    assert (shipped.weights, shipped.dit.dtype, shipped.dit.device) == ("dummy", "bfloat16", "cuda")
+
+
+@pytest.mark.vllm  # the encoder is vLLM's, in this process
+def test_a_reduced_dummy_app_runs_every_stage_and_returns_an_image(reduced):
+    from omni_ray.pipeline import Pipeline
+
+    pipeline = Pipeline(parse_config(dummy_preset(reduced)))
+    try:
+        body = {"prompt": "a lighthouse at dusk", "negative_prompt": "blurry", "size": "96x64", "seed": 3,
+                "num_inference_steps": 2}
+        (image,) = asyncio.run(pipeline.generate(body, output="both"))
+    finally:
+        pipeline.shutdown()
+    assert image.pixels.shape == (64, 96, 3) and image.pixels.dtype == np.uint8
+    assert image.latents.latents.shape == (4 * 6, 64)
+    assert image.dit_passes == {"computed": 4, "reused": 0}  # 2 steps, true CFG

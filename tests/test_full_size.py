@@ -1,0 +1,87 @@
+"""Qwen-Image's full-size architecture as shipped (omni_ray/model_configs): the configs load in diffusers',
+transformers' and vLLM's config classes, and the models they build have the published sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from omni_ray.full_size import CONFIG_DIR, PUBLISHED_PARAMS
+
+
+def test_gpu_dry_run_builds_the_full_size_models_with_the_published_parameter_counts(tmp_path):
+    out = tmp_path / "dry.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(out)], cwd=REPO, check=True,
+                   capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert set(report["params"]) == {"transformer", "vae", "text_encoder"}
+    for name, count in report["params"].items():
+        assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, name
+    assert 20.3e9 < report["params"]["transformer"] < 20.5e9
+    placement = report["placement"]
+    assert placement["preset"] == "stage_configs/qwen_image_shared.yaml"
+    assert [s["stage"] for s in placement["stages"]] == ["encoder", "dit", "vae"]
+    assert all(s["fits"] and s["need_gib"] <= s["share_gib"] for s in placement["stages"])
+    assert {s["stage"]: s["share_gib"] for s in placement["stages"]} == {"encoder": 40.0, "dit": 80.0, "vae": 40.0}
+
+
+def shared_preset() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "stage_configs/qwen_image_shared.yaml").read_text())
+
+
+@pytest.mark.parametrize("breakage, field", [
+    # 4 images of 2048x2048 per VAE call need about 68 GiB: more than half of an 80 GB GPU
+    (lambda p: p["vae"].update(max_batch_size=4), "vae.deployment.num_gpus"),
+    (lambda p: p["dit"]["deployment"].update(num_gpus=0.5), "dit.deployment.num_gpus"),  # 38 GiB of weights alone
+    (lambda p: p.update(gpu_memory_gib=24), "encoder.deployment.num_gpus"),  # a 24 GB GPU: nothing fits
+    (lambda p: p["encoder"].update(gpu_memory_utilization=0.9), "encoder.gpu_memory_utilization"),
+])
+def test_a_placement_that_cannot_fit_is_refused_naming_the_field(breakage, field):
+    from omni_ray.config import ConfigError, parse_config
+
+    preset = shared_preset()
+    parse_config(preset)  # as shipped, it fits
+    breakage(preset)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_config(preset)
+
+
+def test_the_shipped_configs_are_qwen_image_s_in_diffusers_layout():
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import AutoConfig
+
+    index = json.loads((CONFIG_DIR / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImagePipeline"
+    assert index["transformer"] == ["diffusers", "QwenImageTransformer2DModel"]
+    transformer = QwenImageTransformer2DModel.load_config(CONFIG_DIR / "transformer")
+    assert (transformer["num_layers"], transformer["num_attention_heads"], transformer["attention_head_dim"],
+            transformer["joint_attention_dim"], transformer["in_channels"]) == (60, 24, 128, 3584, 64)
+    assert AutoencoderKLQwenImage.load_config(CONFIG_DIR / "vae")["z_dim"] == 16
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(CONFIG_DIR / "scheduler")
+    assert scheduler.config.use_dynamic_shifting and scheduler.config.shift_terminal == 0.02
+    text = AutoConfig.from_pretrained(CONFIG_DIR / "text_encoder")
+    assert text.model_type == "qwen2_5_vl" and text.text_config.hidden_size == 3584
+    assert (text.image_token_id, text.vision_start_token_id) == (151655, 151652)  # Qwen's special token ids
+
+
+@pytest.mark.vllm  # imports vLLM in the test process
+@pytest.mark.parametrize("vision", [False, True])
+def test_vllm_takes_the_shipped_text_encoder_config(vision):
+    import os
+
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    from vllm.engine.arg_utils import EngineArgs
+
+    model_config = EngineArgs(
+        model=str(CONFIG_DIR / "text_encoder"), skip_tokenizer_init=True, runner="pooling", convert="embed",
+        load_format="dummy", dtype="bfloat16", max_model_len=1058, language_model_only=not vision,
+    ).create_model_config()
+    assert model_config.get_hidden_size() == 3584
+    assert model_config.get_vocab_size() == 152064
+    assert model_config.is_multimodal_model

@@ -1,0 +1,66 @@
+"""Three Ray nodes on this machine (a head and two worker raylets, each started with `ray start` and a custom
+resource), each stage pinned to its own node by the preset: the app serves diffusers' image with the embeddings and
+latents passed by reference from node to node."""
+
+import pathlib
+
+import pytest
+import yaml
+
+from conftest import REPO
+from deployments.local import LocalServe
+from omni_ray.client import connect_ray
+from test_serve import expected, png, post, stage_stats, within_one_level
+
+pytestmark = pytest.mark.serve
+
+PINS = {"encoder": "omni_encoder_node", "dit": "omni_dit_node", "vae": "omni_vae_node"}
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tiny_dir, tmp_path_factory):
+    workdir: pathlib.Path = tmp_path_factory.mktemp("multinode")
+    preset = yaml.safe_load((REPO / "stage_configs/qwen_image_tiny.yaml").read_text())
+    for stage, resource in PINS.items():
+        preset[stage]["deployment"]["resources"] = {resource: 1}
+    (workdir / "preset.yaml").write_text(yaml.safe_dump(preset))
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["applications"][0]["args"]["stage_config"] = str(workdir / "preset.yaml")
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    # The head holds the encoder (and the coordinator, which needs no resource); a worker each the DiT and the VAE.
+    with LocalServe(workdir / "config.yaml", model=str(tiny_dir), num_cpus=2,
+                    head_resources={PINS["encoder"]: 1},
+                    workers=[{PINS["dit"]: 1}, {PINS["vae"]: 1}]) as local:
+        yield {"base": local.base_url, "address": local.address}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline.from_pretrained(tiny_dir)
+
+
+def test_each_stage_runs_on_its_own_node_and_the_image_equals_diffusers(three_nodes, reference):
+    import ray
+
+    body = {"prompt": "a lighthouse on a cliff", "negative_prompt": "blurry", "size": "96x64", "seed": 11,
+            "num_inference_steps": 3, "n": 2}
+    status, response = post(three_nodes["base"] + "/v1/images/generations", body)
+    assert status == 200, response
+    for index, item in enumerate(response["data"]):
+        pixels = png(item["b64_json"])
+        assert within_one_level(pixels, expected(reference, body["prompt"], 11 + index, 64, 96, 3, "blurry"))
+
+    stats = stage_stats(three_nodes)
+    nodes = {name: s["node_id"] for name, s in stats.items()}
+    assert len(set(nodes.values())) == 3, nodes
+    assert all(s["requests"] >= 1 for s in stats.values())
+    try:
+        connect_ray(three_nodes["address"])
+        by_resource = {resource: node["NodeID"] for node in ray.nodes() if node["Alive"]
+                       for resource in PINS.values() if resource in node["Resources"]}
+    finally:
+        ray.shutdown()
+    assert nodes == {"Encoder": by_resource[PINS["encoder"]], "DiT": by_resource[PINS["dit"]],
+                     "VAE": by_resource[PINS["vae"]]}

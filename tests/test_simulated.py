@@ -1,0 +1,151 @@
+"""The GPU cost model and the simulated stage runners (``runner: simulated``), without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import pathlib
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omni_ray.config import load_config
+from omni_ray.engine.core import EngineCore
+from omni_ray.engine.dit_scheduler import DiTScheduler
+from omni_ray.engine.vae_scheduler import VAEScheduler
+from omni_ray.pipeline import Pipeline
+from omni_ray.stages.decode import DecodeRequest, ImageEncodeRequest
+from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, Latents
+from omni_ray.stages.encode import PromptEmbeds
+from omni_ray.stages.gpu_costs import GpuCosts, dit_pass_flops, image_tokens
+from omni_ray.stages.simulated import SimulatedDenoiser, SimulatedVae, photo_like
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+COSTS = GpuCosts.h200()
+
+
+def test_the_model_reproduces_the_published_timings_it_is_calibrated_to():
+    assert COSTS.dit_step(1, 1024, 1024, 50, true_cfg=True) == pytest.approx(0.243)  # s per step
+    assert 20 * COSTS.dit_step(1, 512, 512, 50, true_cfg=True) == pytest.approx(2.17)  # DiT of one 512x512 image
+    assert COSTS.encoder_step(2 * (40 + 34)) == pytest.approx(0.035)
+    assert COSTS.vae_step(512 * 512) == pytest.approx(0.017)
+    assert 700e12 < COSTS.dit_flops_per_s < 900e12 and 0.05 < COSTS.dit_step_overhead_s < 0.09
+    # 1328x1328 (83 x 83 = 6889 image tokens) is dominated by the linear layers, with attention a quarter of it.
+    tokens = image_tokens(1328, 1328) + 50
+    assert image_tokens(1328, 1328) == 6889
+    assert 0.2 < 4 * 60 * 3072 * tokens**2 / dit_pass_flops(tokens) < 0.35
+
+
+def test_batching_gains_shrink_as_images_grow():
+    def gain(side: int) -> float:  # images per second at batch 8 over batch 1
+        return 8 * COSTS.dit_step(1, side, side, 50, True) / COSTS.dit_step(8, side, side, 50, True)
+
+    gains = [gain(side) for side in (256, 512, 1024, 1328, 2048)]
+    assert all(a > b for a, b in zip(gains, gains[1:])), gains
+    assert gains[0] > 3 and gains[-1] < 1.15
+
+
+@pytest.mark.parametrize("side, batch", [(512, 1), (1328, 1), (1024, 4)])
+def test_true_cfg_doubles_the_dit_work(side, batch):
+    overhead = COSTS.dit_step_overhead_s
+    with_cfg = COSTS.dit_step(batch, side, side, 60, true_cfg=True) - overhead
+    without = COSTS.dit_step(batch, side, side, 60, true_cfg=False) - overhead
+    assert with_cfg == pytest.approx(2 * without)
+
+
+def test_a_non_square_image_costs_by_its_tokens():
+    steps = [COSTS.dit_step(1, h, w, 60, False) for h, w in ((800, 800), (1328, 800), (800, 1328), (1328, 1328))]
+    assert steps[0] < steps[1] == steps[2] < steps[3]
+
+
+def run_until_done(core, ids: set[str]) -> tuple[dict, list]:
+    results, progress = {}, []
+    while ids - results.keys():
+        for output in core.step():
+            assert output.error is None, output.error
+            if output.progress is not None:
+                progress.append((output.request_id, output.progress))
+            if output.finished:
+                results[output.request_id] = output.pooling_output
+    return results, progress
+
+
+def embeds(tokens: int) -> PromptEmbeds:
+    return PromptEmbeds(torch.zeros(tokens, 3584, dtype=torch.bfloat16))
+
+
+def test_simulated_denoiser_steps_a_batch_for_its_simulated_time_and_returns_packed_latents():
+    core = EngineCore(DiTScheduler(8, 8), SimulatedDenoiser(torch.bfloat16))
+    for index in range(3):  # one batch: same size and CFG mode, different step counts and seeds
+        params = DenoiseParams(height=1328, width=800, num_inference_steps=2 + index, seed=index, true_cfg_scale=4.0)
+        core.add_request(DenoiseRequest(f"r{index}", params, embeds(40 + index), embeds(30)))
+    started = time.monotonic()
+    results, progress = run_until_done(core, {"r0", "r1", "r2"})
+    elapsed = time.monotonic() - started
+    # steps 1-2 run three requests, 3 two, 4 one: at least the model's time for those batches
+    expected = sum(COSTS.dit_step(b, 1328, 800, 42, True) for b in (3, 3, 2, 1))
+    assert elapsed >= 0.98 * expected
+    for index in range(3):
+        latents = results[f"r{index}"]
+        assert isinstance(latents, Latents) and (latents.height, latents.width) == (1328, 800)
+        assert latents.latents.shape == (83 * 50, 64) and latents.latents.dtype == torch.bfloat16
+        assert latents.dit_passes == {"computed": 2 * (2 + index), "reused": 0}
+        assert [p for rid, p in progress if rid == f"r{index}"] == [(s, 2 + index) for s in range(1, 3 + index)]
+    assert not torch.equal(results["r0"].latents, results["r1"].latents)  # drawn from each request's seed
+
+
+def test_simulated_vae_decodes_to_photo_like_pixels_and_encodes_edit_images():
+    core = EngineCore(VAEScheduler(4), SimulatedVae(torch.bfloat16))
+    latents = Latents(torch.randn(16 * 24, 64).to(torch.bfloat16), 256, 384)
+    core.add_request(DecodeRequest("d", latents, "both"))
+    core.add_request(ImageEncodeRequest("e", np.zeros((320, 192, 3), np.uint8)))
+    results, _ = run_until_done(core, {"d", "e"})
+    pixels = results["d"].pixels
+    assert pixels.shape == (256, 384, 3) and pixels.dtype == np.uint8 and pixels.flags.writeable
+    assert results["d"].latents is latents
+    assert results["e"].latents.shape == (20 * 12, 64) and (results["e"].height, results["e"].width) == (320, 192)
+    # Compresses like a photograph: neither flat (a PNG of well under a byte per pixel) nor noise (3 bytes).
+    png = io.BytesIO()
+    Image.fromarray(photo_like(1024, 1024)).save(png, "PNG")
+    assert 0.8 < len(png.getvalue()) / (1024 * 1024) < 2.5
+    assert photo_like(1024, 1024).std() > 20
+
+
+def test_the_simulated_preset_serves_real_shapes_through_the_request_path():
+    config = load_config(REPO / "stage_configs/qwen_image_sim.yaml")
+    assert (config.requests.default_width, config.requests.default_height, config.requests.default_steps) == (
+        1328, 1328, 50)
+    assert {config.encoder.runner, config.dit.runner, config.vae.runner} == {"simulated"}
+    pipeline = Pipeline(config)
+    try:
+        body = {"prompt": "a lighthouse at dusk", "negative_prompt": "blurry", "size": "800x1328", "n": 2,
+                "num_inference_steps": 2}
+        images = asyncio.run(pipeline.generate(body, output="both"))
+    finally:
+        pipeline.shutdown()
+    assert [image.pixels.shape for image in images] == [(1328, 800, 3)] * 2
+    assert images[0].latents.latents.shape == (83 * 50, 64)
+    assert images[0].dit_passes == {"computed": 4, "reused": 0}
+
+
+def test_the_async_engine_reports_how_long_each_request_queued():
+    from omni_ray.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(lambda: EngineCore(DiTScheduler(1, 8), SimulatedDenoiser(torch.bfloat16)), "dit").start()
+
+    async def run() -> dict[str, float]:
+        queued = {}
+        requests = [DenoiseRequest(rid, DenoiseParams(512, 512, 3, 0), embeds(20)) for rid in ("first", "second")]
+        await asyncio.gather(*(engine.generate(r, on_start=lambda s, rid=r.request_id: queued.update({rid: s}))
+                               for r in requests))
+        return queued
+
+    try:
+        queued = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    first_runs = 3 * COSTS.dit_step(1, 512, 512, 20, False)  # batches of one: the second waits for all of it
+    assert queued["first"] < 0.5 * first_runs <= first_runs * 0.98 <= queued["second"]
