@@ -101,6 +101,11 @@ async def _watch_event_loop(period_s: float = 0.05) -> None:
             cpu = now
 
 
+def _deployments_without_replicas() -> list[str]:
+    app = serve.status().applications[serve.get_replica_context().app_name]
+    return sorted(name for name, deployment in app.deployments.items() if not deployment.replica_states.get("RUNNING"))
+
+
 @api.exception_handler(OmniRayError)
 async def _omni_ray_error(request: Request, err: OmniRayError) -> JSONResponse:
     headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if isinstance(err, OverloadedError) else None
@@ -216,8 +221,13 @@ class Coordinator:
         return {"object": "list", "data": [{"id": self.config.name, "object": "model", "owned_by": "omni-ray"}]}
 
     @api.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """200 once every deployment of the app has a running replica, else 503 naming those without one (still
+        starting, or all lost): the ingress alone answering does not mean a request can be served."""
+        waiting = await asyncio.to_thread(_deployments_without_replicas)
+        if waiting:
+            return JSONResponse({"status": "unavailable", "waiting_for": waiting}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     # --- handle callers: the same views, by method ------------------------------------------------------------
 

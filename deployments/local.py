@@ -138,7 +138,7 @@ class LocalServe:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"serve run not ready in {self.ready_timeout_s:.0f} s:\n{self.log()[-4000:]}")
             try:
-                with urllib.request.urlopen(self.base_url + "/v1/models", timeout=5) as response:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):

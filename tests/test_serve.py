@@ -466,8 +466,22 @@ def test_mixed_load_survives_the_death_of_each_stage_replica(served, reference):
                     time.sleep(0.05)
                 ray.kill(ray.get_actor(replica_names(served)[stage], namespace="serve"), no_restart=True)
                 killed.append(stage)
+                if stage == "Encoder":  # vLLM takes seconds to start: /health says which stage it waits for
+                    unready.append(wait_for_health(served, lambda code, body: code == 503, timeout_s=30))
 
-        killed = []
+        def wait_for_health(served, ready, timeout_s):
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    with urllib.request.urlopen(served["base"] + "/health", timeout=10) as response:
+                        code, body = response.status, json.loads(response.read())
+                except urllib.error.HTTPError as err:
+                    code, body = err.code, json.loads(err.read())
+                if ready(code, body) or time.monotonic() > deadline:
+                    return code, body
+                time.sleep(0.1)
+
+        killed, unready = [], []
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(17) as pool:
             kills = pool.submit(killer)
@@ -475,6 +489,8 @@ def test_mixed_load_survives_the_death_of_each_stage_replica(served, reference):
             kills.result(timeout=60)
         elapsed = time.monotonic() - start
         assert killed == ["Encoder", "DiT", "VAE"]
+        assert unready == [(503, {"status": "unavailable", "waiting_for": ["Encoder"]})]
+        assert wait_for_health(served, lambda code, body: code == 200, timeout_s=60) == (200, {"status": "ok"})
         latencies = sorted(seconds for kind, _, seconds in outcomes if kind in ("ok", "streamed"))
         print(f"\nmixed load with three replica kills: 300 requests in {elapsed:.1f} s; valid ones p50 "
               f"{latencies[len(latencies) // 2]:.2f} s, max {latencies[-1]:.2f} s")
