@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +29,7 @@ from deployments import metrics
 from deployments.process import freeze_startup_heap
 from deployments.serve_stages import ServeStages
 from omni_ray.config import PipelineConfig
-from omni_ray.errors import OmniRayError, OverloadedError, PayloadTooLargeError, RequestError
+from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError, PayloadTooLargeError, RequestError
 from omni_ray.protocol import (
     GenerationPlan,
     ImageGenerationRequest,
@@ -109,7 +110,7 @@ def _deployments_without_replicas() -> list[str]:
 @api.exception_handler(OmniRayError)
 async def _omni_ray_error(request: Request, err: OmniRayError) -> JSONResponse:
     headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if isinstance(err, OverloadedError) else None
-    body = error_body(str(err), err.error_type, getattr(err, "param", None))
+    body = error_body(str(err), err.error_type, getattr(err, "param", None), getattr(err, "code", None))
     return JSONResponse(body, err.status_code, headers=headers)
 
 
@@ -128,6 +129,22 @@ async def _read_limited(request: Request, limit: int, param: str | None = None) 
 
 
 IMAGE_FIELDS = ("image", "image[]")  # OpenAI's client names one file `image`, a list `image[]`
+
+
+async def _json_object(request: Request, fields: tuple[str, ...]) -> dict:
+    """A small JSON body with the string ``fields`` (no others); RequestError naming the first bad one."""
+    try:
+        body = json.loads(await _read_limited(request, MAX_BODY_BYTES))
+    except ValueError:
+        raise RequestError("request body is not valid JSON", param=None) from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", param=None)
+    for field in fields:
+        if not isinstance(body.get(field), str) or not body[field]:
+            raise RequestError(f"{field}: required, a non-empty string", param=field)
+    if extra := sorted(set(body) - set(fields)):
+        raise RequestError(f"{extra[0]}: unknown parameter", param=extra[0])
+    return body
 
 
 async def _edit_form(request: Request, limit: int) -> tuple[dict[str, str], bytes | None]:
@@ -179,6 +196,7 @@ class Coordinator:
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
         self.stages = ServeStages(encoder, dit, vae)
         self.config = config
+        self.adapters = dict(config.loras)  # LoRA adapter name -> file: the preset's, then those loaded at run time
         self.tokenizer = PromptTokenizer(config.model, template_for(config))
         self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
         try:  # Serve runs the constructor on the event loop that serves the requests: the one to watch
@@ -218,7 +236,39 @@ class Coordinator:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.config.name, "object": "model", "owned_by": "omni-ray"}]}
+        """The base model, then each LoRA adapter (``parent``: the base it adapts), as vLLM lists them."""
+        base = {"id": self.config.name, "object": "model", "owned_by": "omni-ray"}
+        adapters = [{"id": name, "object": "model", "owned_by": "omni-ray", "parent": self.config.name, "root": path}
+                    for name, path in self.adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        """Adds an adapter at run time (``{"lora_name", "lora_path"}``), once a DiT replica has read the file and
+        found it fits the transformer; a broken file is a 400 naming ``lora_path`` and changes nothing."""
+        with _counting_errors():
+            body = await _json_object(request, ("lora_name", "lora_path"))
+            name, path = body["lora_name"], body["lora_path"]
+            if not re.fullmatch(r"[\w.:-]+", name) or name == self.config.name:
+                raise RequestError(f"lora_name: {name!r} must be letters, digits, '_', '.', ':' or '-', and not the "
+                                   "base model's name", param="lora_name")
+            if name in self.adapters:
+                raise RequestError(f"lora_name: {name!r} is already loaded; unload it first", param="lora_name")
+            await self.stages.check_lora(path)
+            self.adapters[name] = path
+            logger.info("LoRA adapter %r added from %s", name, path)
+        return JSONResponse({"lora_name": name, "lora_path": path, "status": "loaded"})
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        """Removes an adapter (``{"lora_name"}``): requests naming it get a 404 from now on; each DiT replica frees
+        its slot when it needs the room."""
+        with _counting_errors():
+            name = (await _json_object(request, ("lora_name",)))["lora_name"]
+            if self.adapters.pop(name, None) is None:
+                raise NotFoundError(f"lora_name: no adapter {name!r} is loaded", param="lora_name")
+            logger.info("LoRA adapter %r removed", name)
+        return JSONResponse({"lora_name": name, "status": "unloaded"})
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -265,7 +315,7 @@ class Coordinator:
             if image is not None:
                 async with self.image_slots:
                     pixels = await asyncio.to_thread(load_input_image, image, self.config)
-            return plan_request(body, self.config, self.tokenizer.num_tokens, pixels)
+            return plan_request(body, self.config, self.tokenizer.num_tokens, pixels, self.adapters)
 
     async def events(self, plan: GenerationPlan, request_id: str, output: OutputMode = "pixels"
                      ) -> AsyncIterator[RequestEvent]:

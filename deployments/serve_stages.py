@@ -77,7 +77,14 @@ def cancel(response) -> None:
 class ServeStages(Stages):
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle):
         self.encoder, self.vae = encoder, vae
-        self.dit = dit.options(stream=True)
+        self.dit_calls, self.dit = dit, dit.options(stream=True)
+
+    async def check_lora(self, path: str) -> None:
+        """Raises RequestError (naming ``lora_path``) unless a DiT replica finds ``path`` an adapter it can take."""
+        try:
+            await self.dit_calls.check_lora.remote(path)
+        except Exception as err:
+            raise stage_error(err, "dit", "check_lora") from None
 
     def put_image(self, image: np.ndarray) -> ray.ObjectRef:
         return ray.put(image)
@@ -98,7 +105,8 @@ class ServeStages(Stages):
         inputs = [await _upstream(prompt, "encoder", "encode_prompt")]
         if image_latents is not None:
             inputs.append(await _upstream(image_latents, "vae", "encode_image"))
-        stream = self.dit.denoise.remote(request_id, params, *inputs)
+        dit = self.dit.options(multiplexed_model_id=params.lora.name) if params.lora is not None else self.dit
+        stream = dit.denoise.remote(request_id, params, *inputs)
         try:
             refs = await stream._to_object_ref_gen()
             async for ref in refs:

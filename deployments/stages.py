@@ -7,12 +7,14 @@ that call, so the request path issues exactly that call again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 import ray
+from ray import serve
 import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
 
 from deployments import metrics
@@ -21,10 +23,12 @@ from deployments.serve_stages import Upstream
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
+from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.output import StepDone
 from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, Latents
 from omni_ray.stages.encode import EncodedPrompt, EncodeRequest
+from omni_ray.stages.lora import read_lora
 
 logger = logging.getLogger("ray.serve")
 
@@ -117,6 +121,18 @@ class DiT(_EngineShim):
 
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_dit_core(config))
+        self.loras = LoraResidency(self.engine, config.dit.max_loras, self.engine.core.runner.lora_shapes)
+
+        async def route(name: str) -> str:
+            return name
+
+        # Serve's model multiplexing, for routing alone: it tells the routers which adapters this replica was last
+        # asked for (as many as it holds), so requests for an adapter go preferably where it is resident.
+        self._route = serve.multiplexed(max_num_models_per_replica=config.dit.max_loras)(route)
+
+    async def check_lora(self, path: str) -> None:
+        """Raises RequestError (naming ``lora_path``) unless ``path`` is an adapter this transformer can take."""
+        await asyncio.to_thread(read_lora, path, self.loras.shapes)
 
     async def denoise(
         self, request_id: str, params: DenoiseParams, prompt: Upstream, image: Upstream | None = None
@@ -127,16 +143,20 @@ class DiT(_EngineShim):
         image_latents: Latents | None = await image.resolve() if image is not None else None
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image_latents)
         timings = {**encoded.timings, **(image_latents.timings if image_latents is not None else {})}
-        async for item in self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings):
-            if isinstance(item, Latents):
-                for outcome, passes in item.dit_passes.items():
-                    if passes:  # Ray's counters refuse 0
-                        metrics.dit_passes.inc(passes, tags={**self.tags, "outcome": outcome})
-            yield item
+        if params.lora is not None:
+            await self._route(params.lora.name)
+        async with self.loras.use(params.lora):
+            async for item in self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings):
+                if isinstance(item, Latents):
+                    for outcome, passes in item.dit_passes.items():
+                        if passes:  # Ray's counters refuse 0
+                            metrics.dit_passes.inc(passes, tags={**self.tags, "outcome": outcome})
+                yield item
 
     def stats(self) -> dict:
         """The engine's counters, and its steps by how many requests each advanced (the step-level batching)."""
-        return {**super().stats(), "batch_sizes": dict(self.engine.core.scheduler.batch_sizes)}
+        return {**super().stats(), "batch_sizes": dict(self.engine.core.scheduler.batch_sizes),
+                "loras": [name for name, _ in self.loras.resident], "lora_loads": self.loras.num_loads}
 
 
 class VAE(_EngineShim):

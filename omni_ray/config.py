@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -130,6 +131,23 @@ class EncoderConfig(_StageConfig):
 QWEN_IMAGE_TEACACHE = (-4.5e2, 2.8e2, -4.5e1, 3.2, -2e-2)
 
 
+LoraKey = tuple[str, str]  # (name, path): a name loaded again from another file is another adapter
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A request's LoRA adapter: its name, where its file is, and the request's scale (diffusers' adapter
+    weight)."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+
+    @property
+    def key(self) -> LoraKey:
+        return (self.name, self.path)
+
+
 class CacheSettings(_Frozen):
     """DiT cache acceleration for one request: which rule decides when a step reuses the residual of the blocks it
     skips, and how much change it tolerates. Both rules are decided per request (and per CFG pass) inside a step
@@ -168,6 +186,10 @@ class DiTConfig(_StageConfig):
     teacache_coefficients: tuple[float, ...] = Field(
         QWEN_IMAGE_TEACACHE, min_length=1,
         description="TeaCache's rescaling polynomial, highest power first; the default is published for Qwen-Image.",
+    )
+    max_loras: PositiveInt = Field(
+        4, description="LoRA adapters each DiT replica holds on its device at most; the least recently used idle one "
+        "leaves first when another is needed.",
     )
 
 
@@ -255,6 +277,12 @@ class PipelineConfig(_Frozen):
         "`model`'s configs with random weights on its device and in its dtype (vLLM's dummy load format for the "
         "encoder), for timing and capacity tests without a download.",
     )
+    loras: dict[Annotated[str, Field(pattern=r"^[\w.:-]+$")], str] = Field(
+        default_factory=dict,
+        description="LoRA adapters known at start, name -> file (diffusers' pytorch_lora_weights.safetensors, or "
+        "its folder), on every node that runs the DiT; a request picks one with `model`. POST /v1/load_lora_adapter "
+        "adds more at run time.",
+    )
     requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
     coordinator: DeploymentConfig = Field(
         default_factory=lambda: DeploymentConfig(max_ongoing_requests=256),
@@ -282,6 +310,8 @@ class PipelineConfig(_Frozen):
         if self.weights == "dummy" and self.edit is not None:
             raise ValueError("weights: dummy builds text-to-image only; edits need the edit checkpoint's weights")
         check_placement(self)
+        if self.name in self.loras:
+            raise ValueError(f"loras: {self.name!r} is the base model's name; give the adapter another")
         if self.dit.deployment.max_ongoing_requests < self.dit.max_batch_size:
             raise ValueError(
                 f"dit.deployment.max_ongoing_requests ({self.dit.deployment.max_ongoing_requests}) must be at least "

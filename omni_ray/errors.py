@@ -36,6 +36,17 @@ class RequestError(OmniRayError):
         self.param = param
 
 
+class NotFoundError(RequestError):
+    """The request names something this app does not have: a model or LoRA adapter (OpenAI answers 404 with code
+    ``model_not_found``)."""
+
+    status_code = 404
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = "model_not_found"):
+        super().__init__(message, param)
+        self.code = code
+
+
 class PayloadTooLargeError(RequestError):
     """The request body is larger than the API accepts."""
 

@@ -22,6 +22,7 @@ import numpy as np
 from omni_ray.config import PipelineConfig, load_config
 from omni_ray.errors import RequestError
 from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
 from omni_ray.engine.output import StepDone
 from omni_ray.protocol import ImageGenerationRequest, load_input_image, plan_request
@@ -36,8 +37,9 @@ DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs
 class LocalStages(Stages):
     """The stage protocol on three in-process engines; handles are asyncio tasks holding the records."""
 
-    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine):
+    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, max_loras: int = 4):
         self.encoder, self.dit, self.vae = encoder, dit, vae
+        self.loras = LoraResidency(dit, max_loras, dit.core.runner.lora_shapes)
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> LocalStages:
@@ -45,6 +47,7 @@ class LocalStages(Stages):
             AsyncEngine(lambda: build_encoder_core(config), "encoder").start(),
             AsyncEngine(lambda: build_dit_core(config), "dit").start(),
             AsyncEngine(lambda: build_vae_core(config), "vae").start(),
+            config.dit.max_loras,
         )
 
     def put_image(self, image: np.ndarray) -> np.ndarray:
@@ -64,8 +67,9 @@ class LocalStages(Stages):
         encoded = await asyncio.shield(prompt)
         image = await asyncio.shield(image_latents) if image_latents is not None else None
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image)
-        async for item in self.dit.stream(request):
-            yield item if isinstance(item, StepDone) else LatentsReady(item)
+        async with self.loras.use(params.lora):
+            async for item in self.dit.stream(request):
+                yield item if isinstance(item, StepDone) else LatentsReady(item)
 
     async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
         return await self.vae.generate(DecodeRequest(request_id, latents, output))
@@ -95,7 +99,7 @@ class Pipeline:
         output: OutputMode = "pixels",
     ) -> AsyncIterator[RequestEvent]:
         """The request's event stream; an edit preset takes ``image`` (``load_input_image``'s pixels)."""
-        plan = plan_request(body, self.config, self.tokenizer.num_tokens, image)
+        plan = plan_request(body, self.config, self.tokenizer.num_tokens, image, self.config.loras)
         return run_request(self.stages, plan, request_id or uuid.uuid4().hex, self.config.requests, output)
 
     async def generate(self, body: dict | ImageGenerationRequest, image: np.ndarray | None = None,

@@ -13,15 +13,15 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from omni_ray.config import SIZE_MULTIPLE, CacheSettings, PipelineConfig
-from omni_ray.errors import PayloadTooLargeError, RequestError
+from omni_ray.config import SIZE_MULTIPLE, CacheSettings, LoraRef, PipelineConfig
+from omni_ray.errors import NotFoundError, PayloadTooLargeError, RequestError
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_SEED = 2**63 - 1
@@ -35,7 +35,12 @@ class ImageGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(..., description="What to draw.")
-    model: str | None = Field(None, description="The served model's name; optional, checked when given.")
+    model: str | None = Field(
+        None, description="The served model's name, or a LoRA adapter's (the base model with that adapter); "
+        "optional, checked when given."
+    )
+    lora_scale: float = Field(1.0, ge=0.0, le=10.0, description="Strength of the `model` adapter (diffusers' "
+                              "adapter weight); only with an adapter.")
     n: int = Field(1, ge=1, le=10, description="Images to draw; image i uses seed + i.")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; the preset's default when omitted.")
     response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 images are served.")
@@ -57,7 +62,7 @@ class ImageGenerationRequest(BaseModel):
     partial_images: int = Field(0, ge=0, le=3, description="OpenAI's preview count while streaming; must be 0 here.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
 
-    @field_validator("true_cfg_scale", mode="before")
+    @field_validator("true_cfg_scale", "lora_scale", mode="before")
     @classmethod
     def _int_is_a_number(cls, value):
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -106,6 +111,7 @@ class GenerationPlan:
     num_inference_steps: int
     seed: int  # image i uses seed + i
     cache: CacheSettings | None = None  # the request's, or the preset's default
+    lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
 
     @property
@@ -119,17 +125,17 @@ def plan_request(
     config: PipelineConfig,
     count_tokens: Callable[..., int] | None = None,
     image: np.ndarray | None = None,
+    adapters: Mapping[str, str] | None = None,
 ) -> GenerationPlan:
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
 
     An edit brings its ``image`` (``load_input_image``'s); its working size is the default output size.
     ``count_tokens(text, image_size)`` gives a prompt's templated length (the image's tokens included), checked
-    against the encoder's limit.
+    against the encoder's limit. ``adapters`` (name -> file) are the LoRA adapters ``model`` may name.
     """
     check_route(config, has_image=image is not None)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
-    if request.model is not None and request.model != config.name:
-        raise RequestError(f"model: this app serves {config.name!r}, not {request.model!r}", param="model")
+    lora = resolve_model(request, config, adapters or {})
     height, width = resolve_size(request, config, image.shape[:2] if image is not None else None)
     if count_tokens is not None:
         image_size = image.shape[:2] if image is not None else None
@@ -153,8 +159,24 @@ def plan_request(
         num_inference_steps=request.num_inference_steps or config.requests.default_steps,
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
         cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
+        lora=lora,
         image=image,
     )
+
+
+def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, str]
+                  ) -> LoraRef | None:
+    """The LoRA adapter ``model`` names (None for the base model); NotFoundError (404, ``model_not_found``) for a name
+    that is neither, as OpenAI answers."""
+    if request.model in (None, config.name):
+        if "lora_scale" in request.model_fields_set:
+            raise RequestError(f"lora_scale: {config.name!r} is the base model; set `model` to an adapter",
+                               param="lora_scale")
+        return None
+    if request.model not in adapters:
+        known = ", ".join([config.name, *sorted(adapters)])
+        raise NotFoundError(f"model: {request.model!r} does not exist here; the models are {known}", param="model")
+    return LoraRef(request.model, adapters[request.model], request.lora_scale)
 
 
 def check_route(config: PipelineConfig, has_image: bool) -> None:

@@ -153,7 +153,8 @@ def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
     """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
     request = plan.request
     return DenoiseParams(
-        plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale, plan.cache
+        plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale, plan.cache,
+        plan.lora,
     )
 
 

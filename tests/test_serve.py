@@ -82,6 +82,51 @@ def test_replicas_run_their_presets_threads_and_idle_threads_sleep(served):
             assert env.get("OMP_NUM_THREADS") == "2", name  # the tiny preset's torch_threads
 
 
+def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served, tiny_dir, tmp_path):
+    """Issue 16: an adapter loaded at run time serves `model="A"` as diffusers' load_lora_weights does; an unknown
+    adapter is a 404 naming `model`, a broken file a 400 naming `lora_path`, and the service keeps serving."""
+    import openai
+    from diffusers import QwenImagePipeline
+
+    from lora_files import make_adapter
+
+    adapter = str(make_adapter(tiny_dir, tmp_path / "A", rank=4, alpha=8, seed=1))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "pytorch_lora_weights.safetensors").write_bytes(b"\x00" * 64)
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    load, unload = served["base"] + "/v1/load_lora_adapter", served["base"] + "/v1/unload_lora_adapter"
+    body = {"seed": 3, "num_inference_steps": 2, "lora_scale": 0.8}
+
+    assert post(load, {"lora_name": "A", "lora_path": adapter})[0] == 200
+    assert [m.id for m in client.models.list()] == ["qwen-image-tiny", "A"]
+    result = client.images.generate(model="A", prompt="a red cat", size="64x64", extra_body=body)
+    reference = QwenImagePipeline.from_pretrained(tiny_dir)
+    reference.load_lora_weights(adapter, adapter_name="A")
+    reference.set_adapters("A", 0.8)
+    image = reference("a red cat", height=64, width=64, num_inference_steps=2, output_type="np",
+                      generator=torch.Generator("cpu").manual_seed(3)).images[0]
+    assert within_one_level(png(result.data[0].b64_json), (image * 255).round().astype(np.uint8))
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.images.generate(model="B", prompt="a red cat", size="64x64")
+    assert (info.value.param, info.value.code) == ("model", "model_not_found")
+    for payload, param in (({"lora_name": "B", "lora_path": str(tmp_path / "broken")}, "lora_path"),
+                           ({"lora_name": "B", "lora_path": str(tmp_path / "missing")}, "lora_path"),
+                           ({"lora_name": "A", "lora_path": adapter}, "lora_name"),
+                           ({"lora_name": "qwen-image-tiny", "lora_path": adapter}, "lora_name"),
+                           ({"lora_name": "B"}, "lora_path")):
+        status, response = post(load, payload)
+        assert (status, response["error"]["param"]) == (400, param), response
+    assert [m.id for m in client.models.list()] == ["qwen-image-tiny", "A"]  # nothing changed
+    assert client.images.generate(prompt="a red cat", size="64x64", extra_body={"num_inference_steps": 2}).data
+
+    assert post(unload, {"lora_name": "A"})[0] == 200
+    with pytest.raises(openai.NotFoundError):
+        client.images.generate(model="A", prompt="a red cat", size="64x64")
+    assert post(unload, {"lora_name": "A"})[0] == 404
+    assert stage_stats(served)["DiT"]["lora_loads"] == 1
+
+
 def test_http_images_match_diffusers_with_seed_per_image(served, reference):
     body = {"prompt": "a lighthouse at sunset", "n": 2, "size": "96x64", "seed": 7, "num_inference_steps": 3,
             "negative_prompt": "blurry", "true_cfg_scale": 4.0, "response_format": "b64_json"}

@@ -110,6 +110,16 @@ class AsyncEngine:
         finally:
             result.cancel()
 
+    async def call(self, method: Callable[[EngineCoreClient], Any]) -> Any:
+        """``method(core)``'s result, run on the engine's thread between two steps (as vLLM's utility calls run on
+        its engine core): how callers change what the core holds, such as the DiT's LoRA adapters."""
+        if not self._thread.is_alive():
+            raise EngineError("engine loop is not running", self.name)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", (method, _Caller(loop, future, None))))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -174,6 +184,13 @@ class AsyncEngine:
             if kind == "add":
                 request, caller = payload
                 self._add(request, caller)
+            elif kind == "call":
+                method, caller = payload
+                try:
+                    result = method(self.core)
+                except Exception as err:
+                    result = err
+                _resolve(caller, result)
             elif kind == "abort" and self._callers.pop(payload, None) is not None:
                 self.core.abort_requests([payload])
                 self.num_aborted += 1

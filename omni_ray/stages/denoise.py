@@ -17,10 +17,11 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
-from omni_ray.config import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, CacheSettings
+from omni_ray.config import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, CacheSettings, LoraKey, LoraRef
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.stages.dit_cache import BranchCache, cached_forward
 from omni_ray.stages.encode import PromptEmbeds
+from omni_ray.stages.lora import LoraLayer, LoraTable
 from omni_ray.stages.random_weights import random_model
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class DenoiseParams:
     seed: int
     true_cfg_scale: float = 1.0  # CFG runs when > 1 and a negative prompt is given
     cache: CacheSettings | None = None  # DiT cache acceleration; never splits a batch
+    lora: LoraRef | None = None  # a LoRA adapter resident in the runner; never splits a batch either
 
     def batch_key(
         self, has_negative: bool, image_size: tuple[int, int] | None = None
@@ -151,9 +153,11 @@ class DenoiseRunner:
         transformer: QwenImageTransformer2DModel,
         scheduler_config: dict,
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE,
+        max_loras: int = 4,
     ):
         self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
         self.transformer = transformer.eval()
+        self.loras = LoraTable(self.transformer, max_loras)
         self.teacache_coefficients = teacache_coefficients
         self.device, self.dtype = transformer.device, transformer.dtype
         self.scheduler_config = scheduler_config
@@ -162,7 +166,7 @@ class DenoiseRunner:
     @classmethod
     def load(
         cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-        teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False,
+        teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False, max_loras: int = 4,
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights."""
@@ -174,7 +178,21 @@ class DenoiseRunner:
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
         assert 2 ** len(vae_config["temperal_downsample"]) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
-        return cls(transformer.to(device), scheduler_config, teacache_coefficients)
+        return cls(transformer.to(device), scheduler_config, teacache_coefficients, max_loras)
+
+    @property
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """The Linear layers an adapter may adapt: module name -> (in, out features)."""
+        return self.loras.shapes
+
+    def add_lora(self, key: LoraKey, layers: dict[str, LoraLayer]) -> None:
+        """Makes an adapter (``read_lora``'s layers) resident; requests naming it may then step."""
+        self.loras.add(key, layers)
+
+    def remove_lora(self, key: LoraKey) -> None:
+        """Frees an adapter's slot; no running request may use it."""
+        assert not any(s.params.lora and s.params.lora.key == key for s in self.states.values()), "adapter in use"
+        self.loras.remove(key)
 
     def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
         """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
@@ -227,6 +245,8 @@ class DenoiseRunner:
         """Draws the request's noise and schedule; an edit's image latents come along."""
         if params.height % SIZE_MULTIPLE or params.width % SIZE_MULTIPLE:
             raise ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}")
+        if params.lora is not None and params.lora.key not in self.loras.slot_of:
+            raise EngineError(f"LoRA adapter {params.lora.name!r} is not loaded on this replica")
         rows = 2 * (params.height // SIZE_MULTIPLE)
         cols = 2 * (params.width // SIZE_MULTIPLE)
         # Drawn on the CPU in diffusers' unpacked shape, so the same seed gives the same image on any device.
@@ -276,8 +296,9 @@ class DenoiseRunner:
         prompts = [s.prompt for s in states]
         steps = [(s.step_index, s.num_steps) for s in states]
         caches = [s.caches[0] if s.caches else None for s in states]
+        loras = [s.params.lora for s in states]  # CFG's two passes of a request use its adapter
         if not cfg:
-            cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps)
+            cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps, loras)
         else:
             negatives = [s.negative for s in states]
             uncond_caches = [s.caches[1] if s.caches else None for s in states]
@@ -285,12 +306,13 @@ class DenoiseRunner:
                 rows = len(states)
                 both, both_caches = self._forward(
                     latents.repeat(2, 1, 1), timesteps.repeat(2), prompts + negatives, img_shapes * 2,
-                    caches + uncond_caches, steps * 2,
+                    caches + uncond_caches, steps * 2, loras * 2,
                 )
                 (cond, uncond), caches, uncond_caches = both.split(rows), both_caches[:rows], both_caches[rows:]
             else:
-                cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps)
-                uncond, uncond_caches = self._forward(latents, timesteps, negatives, img_shapes, uncond_caches, steps)
+                cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps, loras)
+                uncond, uncond_caches = self._forward(latents, timesteps, negatives, img_shapes, uncond_caches, steps,
+                                                      loras)
 
         num_tokens = states[0].latents.shape[1]  # the prediction for the edit image's tokens is dropped
         for row, state in enumerate(states):
@@ -311,13 +333,15 @@ class DenoiseRunner:
         img_shapes: list[list[tuple[int, int, int]]],
         caches: list[BranchCache | None],
         steps: list[tuple[int, int]],  # rows x (step index, steps in all)
+        loras: list[LoraRef | None],  # rows x the row's adapter
     ) -> tuple[torch.Tensor, list[BranchCache | None]]:
         """The transformer's prediction per row (diffusers' forward, with each row's cache deciding which blocks
-        it runs), and each row's cache after the step."""
+        it runs and its adapter adding to the layers it adapts), and each row's cache after the step."""
         embeds, mask = pad_text(texts)
         timestep = timesteps.to(latents.dtype) / 1000
         return cached_forward(
-            self.transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, self.teacache_coefficients
+            self.transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, self.teacache_coefficients,
+            self.loras.rows(loras),
         )
 
     def finish(self, state: DenoiseState) -> Latents:

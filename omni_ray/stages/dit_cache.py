@@ -19,6 +19,7 @@ those decisions in between.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from math import prod
@@ -29,6 +30,7 @@ from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from omni_ray.config import CacheSettings
+from omni_ray.stages.lora import LoraRows
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,7 @@ class _Rows:
     mask: torch.Tensor | None  # [rows, text_tokens] bool, None when no row is padded
     temb: torch.Tensor  # [rows, dim]; [2 * rows, dim] with zero_cond_t (the second half at timestep 0)
     modulate_index: torch.Tensor | None  # [rows, image_tokens], with zero_cond_t
+    lora: LoraRows | None  # each row's LoRA adapter, when a row has one
 
     def take(self, rows: list[int]) -> _Rows:
         if rows == list(range(self.hidden.shape[0])):
@@ -65,9 +68,18 @@ class _Rows:
         return _Rows(
             self.hidden[index], self.encoder[index], self.mask[index] if self.mask is not None else None, temb,
             self.modulate_index[index] if self.modulate_index is not None else None,
+            self.lora.take(rows) if self.lora is not None else None,
         )
 
+    def adapted(self) -> contextlib.AbstractContextManager:
+        """The rows' LoRA adapters apply to the layers run inside."""
+        return self.lora.applied() if self.lora is not None else contextlib.nullcontext()
+
     def run(self, block, rope) -> _Rows:
+        with self.adapted():
+            return self._run(block, rope)
+
+    def _run(self, block, rope) -> _Rows:
         encoder, hidden = block(
             hidden_states=self.hidden,
             encoder_hidden_states=self.encoder,
@@ -90,8 +102,16 @@ def cached_forward(
     caches: list[BranchCache | None],  # per row; None runs every block
     steps: list[tuple[int, int]],  # per row: (step index, steps in all)
     teacache_coefficients: tuple[float, ...],
+    lora: LoraRows | None = None,  # each row's LoRA adapter; None when no row has one
 ) -> tuple[torch.Tensor, list[BranchCache | None]]:
     """The transformer's prediction for every row, and each row's cache after this step."""
+    with lora.applied() if lora is not None else contextlib.nullcontext():
+        return _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps,
+                               teacache_coefficients, lora)
+
+
+def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, teacache_coefficients,
+                    lora):
     t = transformer
     hidden = t.img_in(latents)
     timestep = timestep.to(hidden.dtype)
@@ -107,7 +127,7 @@ def cached_forward(
     temb = t.time_text_embed(timestep, hidden)
     rope = t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
     first, rest = t.transformer_blocks[0], t.transformer_blocks[1:]
-    x = _Rows(hidden, encoder, mask, temb, modulate_index)
+    x = _Rows(hidden, encoder, mask, temb, modulate_index, lora)
     caches = list(caches)
     rows = range(len(caches))
 
@@ -175,7 +195,8 @@ def cached_forward(
 def _modulated_input(block, x: _Rows, zero_cond_t: bool) -> torch.Tensor:
     """The first block's image input after its norm and timestep modulation (what TeaCache compares)."""
     temb = x.temb.chunk(2, dim=0)[0] if zero_cond_t else x.temb
-    shift, scale, _ = block.img_mod(temb).chunk(2, dim=-1)[0].chunk(3, dim=-1)
+    with x.adapted():
+        shift, scale, _ = block.img_mod(temb).chunk(2, dim=-1)[0].chunk(3, dim=-1)
     return block.img_norm1(x.hidden) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 

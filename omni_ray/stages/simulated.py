@@ -83,7 +83,9 @@ class SimulatedDenoiser:
     """Stands for ``DenoiseRunner`` under the DiT's scheduler: a step of the batch the scheduler formed takes the
     simulated time of that batch (fixed overhead plus every pass's FLOPs), and a finished request's latents are
     ``[tokens, 64]`` noise of the stage's dtype, drawn from its seed. Cache acceleration is not simulated: every
-    pass counts as computed."""
+    pass counts as computed. It takes no LoRA adapters (no layer to adapt)."""
+
+    lora_shapes: dict[str, tuple[int, int]] = {}
 
     def __init__(self, dtype: torch.dtype, costs: GpuCosts | None = None):
         self.dtype = dtype

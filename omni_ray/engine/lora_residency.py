@@ -1,0 +1,97 @@
+"""Which LoRA adapters a DiT engine holds on its device, loaded on a request's first use.
+
+At most ``max_loras`` are resident. When a request needs one more, the least recently used adapter that no running
+request uses leaves first; while every resident adapter is in use, the request waits for one to be released (as
+vLLM's LRU cache of LoRA slots does, a running request's adapter never leaves). Files are read on a worker thread;
+the weights reach the runner between two steps (``AsyncEngine.call``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.config import LoraKey, LoraRef
+from omni_ray.errors import EngineError, RequestError
+from omni_ray.stages.lora import LoraLayer, read_lora
+
+logger = logging.getLogger(__name__)
+
+Reader = Callable[[str, Mapping[str, tuple[int, int]]], dict[str, LoraLayer]]
+
+
+@dataclass(slots=True)
+class _Resident:
+    loading: asyncio.Task  # reads the file and hands the weights to the runner; done once the runner holds them
+    users: int = 0  # requests using it now
+
+
+class LoraResidency:
+    def __init__(self, engine: AsyncEngine, max_loras: int, shapes: Mapping[str, tuple[int, int]],
+                 reader: Reader = read_lora):
+        self.engine, self.max_loras, self.shapes, self.reader = engine, max_loras, shapes, reader
+        self.resident: OrderedDict[LoraKey, _Resident] = OrderedDict()  # least recently used first
+        self._released: list[asyncio.Future] = []  # requests waiting for a resident adapter to fall idle
+        self.num_loads = 0
+
+    @contextlib.asynccontextmanager
+    async def use(self, lora: LoraRef | None) -> AsyncIterator[None]:
+        """Holds ``lora`` resident (loading it if needed) while the context lasts; a no-op for no adapter."""
+        if lora is None:
+            yield
+            return
+        entry = await self._acquire(lora)
+        try:
+            yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                self._wake()
+
+    async def _acquire(self, lora: LoraRef) -> _Resident:
+        while True:
+            entry = self.resident.get(lora.key)
+            if entry is not None:
+                if not entry.loading.done():  # shielded: a caller that goes away does not stop the load
+                    await asyncio.shield(entry.loading)
+                entry.loading.result()  # raises what loading raised
+                entry.users += 1
+                self.resident.move_to_end(lora.key)
+                return entry
+            if len(self.resident) >= self.max_loras:
+                idle = next((key for key, e in self.resident.items() if e.users == 0 and e.loading.done()), None)
+                if idle is None:  # every slot serves a running request: wait for one to finish
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._released.append(waiter)
+                    await waiter
+                    continue
+                del self.resident[idle]
+                logger.info("LoRA adapter %r leaves (least recently used)", idle[0])
+                await self.engine.call(lambda core, key=idle: core.runner.remove_lora(key))
+                continue
+            self.resident[lora.key] = _Resident(asyncio.ensure_future(self._load(lora)))
+
+    async def _load(self, lora: LoraRef) -> None:
+        try:
+            try:
+                layers = await asyncio.to_thread(self.reader, lora.path, self.shapes)
+            except RequestError as err:  # the file was fine when it was registered: not the request's fault now
+                raise EngineError(f"LoRA adapter {lora.name!r} could not be loaded: {err}", "dit") from None
+            await self.engine.call(lambda core: core.runner.add_lora(lora.key, layers))
+        except BaseException:
+            del self.resident[lora.key]  # its slot is free again
+            self._wake()
+            raise
+        self.num_loads += 1
+        logger.info("LoRA adapter %r loaded from %s", lora.name, lora.path)
+
+    def _wake(self) -> None:
+        released, self._released = self._released, []
+        for waiter in released:
+            if not waiter.done():
+                waiter.set_result(None)

@@ -1,0 +1,241 @@
+"""LoRA adapters for the DiT, with different adapters in one step batch.
+
+Adapters come as diffusers writes and reads them for Qwen-Image: ``pytorch_lora_weights.safetensors`` with
+``transformer.<module>.lora_A.weight`` / ``lora_B.weight`` and the LoRA config (rank, alpha, their per-module
+patterns) in the file's metadata; the other spellings ``QwenImagePipeline.lora_state_dict`` accepts (kohya's
+``lora_unet_``, ``diffusion_model.``, peft's ``.default``, ``.alpha`` keys) it converts, and so do we, by calling it.
+
+The base weights never change. Each adapted ``nn.Linear`` becomes a ``LoraLinear`` that adds, per row of the batch,
+that row's own update ``scale * (alpha / r) * B(A(x))`` (peft's arithmetic, in the same order), gathered from the
+adapters resident on the device and computed as two batched matmuls over the rows that have one. Rows without an
+adapter add nothing, so a batch without adapters runs the base model alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from omni_ray.config import LoraKey, LoraRef
+from omni_ray.errors import RequestError
+
+@dataclass(frozen=True, slots=True)
+class LoraLayer:
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scaling: float  # alpha / rank (alpha / sqrt(rank) with rsLoRA), as peft scales it
+
+
+def read_lora(path: str, shapes: Mapping[str, tuple[int, int]]) -> dict[str, LoraLayer]:
+    """An adapter file (or a folder holding ``pytorch_lora_weights.safetensors``) on the CPU, by module name, checked
+    against the transformer's Linear layers (``shapes``: module -> (in, out)); RequestError naming ``lora_path``."""
+    from diffusers import QwenImagePipeline
+
+    def refuse(why: str) -> RequestError:
+        return RequestError(f"lora_path: {path!r} {why}", param="lora_path")
+
+    try:
+        state, metadata = QwenImagePipeline.lora_state_dict(path, return_lora_metadata=True)
+    except Exception as err:
+        raise refuse(f"is not a LoRA file diffusers can read: {err}") from None
+    config = {k.removeprefix("transformer."): v for k, v in (metadata or {}).items() if k.startswith("transformer.")}
+    if config.get("use_dora"):
+        raise refuse("is a DoRA adapter; only LoRA is supported")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        match = re.fullmatch(r"(?:transformer\.)?(.+)\.lora_([AB])\.weight", key)
+        if match is None:
+            raise refuse(f"holds {key!r}, which is not a LoRA A or B weight of the transformer")
+        pairs.setdefault(match[1], {})[match[2]] = tensor
+    if not pairs:
+        raise refuse("holds no LoRA weights")
+    layers = {}
+    for module, pair in pairs.items():
+        if module not in shapes:
+            raise refuse(f"adapts {module!r}, which is not a Linear layer of this transformer")
+        if set(pair) != {"A", "B"}:
+            raise refuse(f"has lora_A without lora_B (or the reverse) for {module!r}")
+        a, b = pair["A"], pair["B"]
+        in_features, out_features = shapes[module]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape[0] != out_features or \
+                a.shape[0] != b.shape[1]:
+            raise refuse(f"has shapes A {tuple(a.shape)}, B {tuple(b.shape)} for {module!r}, whose Linear is "
+                         f"{in_features} -> {out_features}")
+        layers[module] = LoraLayer(a.float().contiguous(), b.float().contiguous(), _scaling(module, a.shape[0], config))
+    return layers
+
+
+def _scaling(module: str, rank: int, config: dict) -> float:
+    """peft's scaling for one module: alpha / r, each from its per-module pattern when one matches. Without a config
+    in the file, diffusers takes alpha = rank (scaling 1)."""
+    if "r" not in config:
+        return 1.0
+    r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", r))
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def _pattern_value(patterns: dict | str, module: str, default: float) -> float:
+    if isinstance(patterns, str):
+        patterns = json.loads(patterns)
+    for pattern, value in patterns.items():  # peft matches a pattern against the module name's tail
+        if re.fullmatch(rf"(.*\.)?({pattern})", module):
+            return value
+    return default
+
+
+@dataclass(slots=True)
+class LoraRows:
+    """Which resident adapter each row of a forward pass uses (its slot, -1 for none) and at which scale. Layers
+    adapted by the same adapters pick the same rows, so each pick is made once per pass and kept."""
+
+    table: LoraTable
+    slot_list: tuple[int, ...]
+    scale_list: tuple[float, ...]
+    device: torch.device
+    dtype: torch.dtype
+    _picks: dict = field(default_factory=dict)  # slots a layer has -> (row index, slots, scales) or None
+    _repeats: dict = field(default_factory=dict)  # k -> these rows k times over
+
+    def take(self, rows: list[int]) -> LoraRows:
+        return LoraRows(self.table, tuple(self.slot_list[r] for r in rows), tuple(self.scale_list[r] for r in rows),
+                        self.device, self.dtype)
+
+    def applied(self) -> contextlib.AbstractContextManager:
+        """These rows are the rows of the adapted layers' inputs while the context lasts."""
+        return self.table.applied(self)
+
+    def for_batch(self, n: int) -> LoraRows:
+        """The rows of an input with ``n`` rows: Qwen-Image's edit models run the timestep embedding twice over
+        (the second half at timestep 0), so an input may hold each row k times, block after block."""
+        if n == len(self.slot_list):
+            return self
+        assert n % len(self.slot_list) == 0, f"{n} input rows for {len(self.slot_list)} batch rows"
+        k = n // len(self.slot_list)
+        if k not in self._repeats:
+            self._repeats[k] = LoraRows(self.table, self.slot_list * k, self.scale_list * k, self.device, self.dtype)
+        return self._repeats[k]
+
+    def pick(self, filled: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows whose adapter is in ``filled``, their slots, their scales) on the device, or None for no row."""
+        if filled not in self._picks:
+            rows = [r for r, slot in enumerate(self.slot_list) if slot in filled]
+            self._picks[filled] = (
+                torch.tensor(rows, device=self.device),
+                torch.tensor([self.slot_list[r] for r in rows], device=self.device),
+                torch.tensor([self.scale_list[r] for r in rows], device=self.device, dtype=self.dtype),
+            ) if rows else None
+        return self._picks[filled]
+
+
+class LoraLinear(nn.Module):
+    """A Linear layer plus, per row, the low-rank update of that row's adapter (if it has one and adapts this
+    layer). Adapters sit in slots: ``a`` [slots, rank, in] and ``b`` [slots, out, rank], zero-padded to the largest
+    rank resident here, so one gather and two batched matmuls serve every adapter of the step."""
+
+    def __init__(self, base: nn.Linear, table: LoraTable):
+        super().__init__()
+        self.base, self.table = base, table
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self.scaling = base.weight.new_zeros(table.max_loras)  # [slots] alpha / rank of each slot's adapter
+        self.filled: frozenset[int] = frozenset()  # slots whose adapter adapts this layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        rows = self.table.current
+        if rows is None or not self.filled:
+            return y
+        picked = rows.for_batch(x.shape[0]).pick(self.filled)
+        if picked is None:
+            return y
+        index, slots, scales = picked
+        xs = x[index].reshape(len(index), -1, x.shape[-1])  # [k, tokens, in] (tokens 1 for [rows, in] inputs)
+        down = torch.bmm(xs, self.a[slots].transpose(1, 2))  # [k, tokens, rank]
+        up = torch.bmm(down, self.b[slots].transpose(1, 2))  # [k, tokens, out]
+        up = up * (self.scaling[slots] * scales).view(-1, 1, 1)
+        return y.index_add(0, index, up.reshape(len(index), *y.shape[1:]))
+
+    def fill(self, slot: int, layer: LoraLayer) -> None:
+        rank = layer.a.shape[0]
+        if self.a is None or self.a.shape[1] < rank:  # (re)allocate, padded to the largest rank
+            base = self.base.weight
+            a = base.new_zeros(self.table.max_loras, rank, self.base.in_features)
+            b = base.new_zeros(self.table.max_loras, self.base.out_features, rank)
+            if self.a is not None:
+                a[:, : self.a.shape[1]], b[:, :, : self.a.shape[1]] = self.a, self.b
+            self.a, self.b = a, b
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.a[slot, :rank] = layer.a.to(self.a)
+        self.b[slot, :, :rank] = layer.b.to(self.b)
+        self.scaling[slot] = layer.scaling
+        self.filled |= {slot}
+
+    def clear(self, slot: int) -> None:
+        if slot in self.filled:
+            self.filled -= {slot}
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+
+
+class LoraTable:
+    """The adapters resident in one transformer, ``max_loras`` slots of them; what each forward's rows use."""
+
+    def __init__(self, transformer: nn.Module, max_loras: int):
+        self.transformer, self.max_loras = transformer, max_loras
+        self.slot_of: dict[LoraKey, int] = {}
+        self.layers: dict[str, LoraLinear] = {}  # module name -> its wrapper, once an adapter adapted it
+        self.current: LoraRows | None = None  # the rows of the forward pass now running
+        self.shapes = {name: (m.in_features, m.out_features) for name, m in transformer.named_modules()
+                       if isinstance(m, nn.Linear)}
+
+    def add(self, key: LoraKey, layers: dict[str, LoraLayer]) -> None:
+        """Puts an adapter (``read_lora``'s) into a free slot on the transformer's device and dtype."""
+        if key in self.slot_of:
+            return
+        free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
+        if not free:
+            raise RuntimeError(f"all {self.max_loras} LoRA slots are taken")
+        slot = self.slot_of[key] = free[0]
+        for name, layer in layers.items():
+            self._wrapped(name).fill(slot, layer)
+
+    def remove(self, key: LoraKey) -> None:
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.clear(slot)
+
+    def rows(self, loras: list[LoraRef | None]) -> LoraRows | None:
+        """The rows of a forward pass whose row i uses ``loras[i]``; None when no row has an adapter."""
+        if all(lora is None for lora in loras):
+            return None
+        missing = [lora.name for lora in loras if lora is not None and lora.key not in self.slot_of]
+        assert not missing, f"adapters not resident: {missing}"
+        weight = next(self.transformer.parameters())
+        return LoraRows(self, tuple(self.slot_of[lora.key] if lora is not None else -1 for lora in loras),
+                        tuple(lora.scale if lora is not None else 0.0 for lora in loras), weight.device, weight.dtype)
+
+    @contextlib.contextmanager
+    def applied(self, rows: LoraRows | None) -> Iterator[None]:
+        before, self.current = self.current, rows
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def _wrapped(self, name: str) -> LoraLinear:
+        if name not in self.layers:
+            parent_name, _, child = name.rpartition(".")
+            parent = self.transformer.get_submodule(parent_name) if parent_name else self.transformer
+            self.layers[name] = LoraLinear(getattr(parent, child), self)
+            setattr(parent, child, self.layers[name])
+        return self.layers[name]

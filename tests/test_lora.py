@@ -1,0 +1,239 @@
+"""LoRA adapters per request (issue 16): parity with diffusers' load_lora_weights, mixed adapters in one step batch,
+the file checks, and which adapters a DiT replica keeps resident."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from lora_files import make_adapter, to_kohya
+from omni_ray.config import LoraRef, load_config
+from omni_ray.engine.core import EngineCore
+from omni_ray.engine.dit_scheduler import DiTScheduler
+from omni_ray.engine.lora_residency import LoraResidency
+from omni_ray.errors import EngineError, NotFoundError, RequestError
+from omni_ray.pipeline import Pipeline
+from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
+from omni_ray.stages.encode import PromptEncoder
+from omni_ray.stages.lora import read_lora
+from conftest import REPO
+from test_dit_engine import TOLERANCE, run_to_completion  # the base model's batching: a dozen float32 ulps here
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dir, tmp_path_factory):
+    """Adapters of different ranks, alphas and targets, and a copy of one in kohya's spelling."""
+    root = tmp_path_factory.mktemp("loras")
+    made = {
+        "A": make_adapter(tiny_dir, root / "A", rank=4, alpha=8, seed=1),
+        "B": make_adapter(tiny_dir, root / "B", rank=8, seed=2, metadata=False,
+                          targets=("to_q", "to_v", "img_mlp.net.2", "txt_mlp.net.0.proj", "img_mod.1")),
+    }
+    made["B_kohya"] = to_kohya(made["B"], root / "B_kohya", alpha=4.0)
+    return {name: str(path) for name, path in made.items()}
+
+
+@pytest.fixture(scope="module")
+def diffusers_pipe(tiny_dir):
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline.from_pretrained(tiny_dir)
+
+
+def diffusers_image(pipe, adapter: str | None, scale: float, body: dict) -> np.ndarray:
+    if adapter is None:
+        pipe.disable_lora()
+    else:
+        pipe.unload_lora_weights()
+        pipe.load_lora_weights(adapter, adapter_name="x")
+        pipe.set_adapters("x", scale)
+    width, height = (int(side) for side in body["size"].split("x"))
+    image = pipe(body["prompt"], negative_prompt=body.get("negative_prompt"), true_cfg_scale=4.0, height=height,
+                 width=width, num_inference_steps=body["num_inference_steps"],
+                 generator=torch.Generator("cpu").manual_seed(body["seed"]), output_type="np").images[0]
+    return (image * 255).round().astype(np.uint8)
+
+
+def test_a_request_with_an_adapter_equals_diffusers_load_lora_weights(tiny_dir, adapters, diffusers_pipe):
+    """Through the whole in-process request path (vLLM encoder, step-batching DiT, VAE), adapters of rank 4 (alpha 8)
+    and 8 (no config in the file), at scales 0.7 and 1.3, and the rank-8 one in kohya's spelling."""
+    config = load_config(REPO / "stage_configs" / "qwen_image_tiny.yaml", model=str(tiny_dir))
+    config = config.model_copy(update={"loras": {"A": adapters["A"], "B": adapters["B"], "K": adapters["B_kohya"]}})
+    pipeline = Pipeline(config)
+    try:
+        body = {"prompt": "a red cat", "negative_prompt": "blurry", "size": "64x64", "num_inference_steps": 3,
+                "seed": 5}
+        (base,) = asyncio.run(pipeline.generate(body))
+        for model, scale, path in (("A", 0.7, adapters["A"]), ("B", 1.3, adapters["B"]), ("K", 1.0, adapters["B"])):
+            (ours,) = asyncio.run(pipeline.generate({**body, "model": model, "lora_scale": scale}))
+            reference = diffusers_image(diffusers_pipe, path, scale, body)
+            assert np.abs(ours.pixels.astype(int) - reference).max() <= 1, model
+            assert np.abs(base.pixels.astype(int) - reference).max() > 20, model  # the adapter changes the image
+        with pytest.raises(NotFoundError) as info:
+            asyncio.run(pipeline.generate({**body, "model": "C"}))
+        assert info.value.param == "model" and info.value.code == "model_not_found"
+        with pytest.raises(RequestError) as info:
+            asyncio.run(pipeline.generate({**body, "lora_scale": 0.5}))
+        assert info.value.param == "lora_scale"
+    finally:
+        pipeline.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_dir, adapters):
+    runner = DenoiseRunner.load(str(tiny_dir), max_loras=2)
+    for name in ("A", "B"):
+        runner.add_lora((name, adapters[name]), read_lora(adapters[name], runner.lora_shapes))
+    return runner
+
+
+def test_a_step_batch_of_different_adapters_equals_each_alone(tiny_dir, adapters, runner):
+    """Adapters A, B, none and A at another scale, with and without cache acceleration, in one step batch (true CFG,
+    so each request's two passes use its adapter): each row equals its request run alone."""
+    from omni_ray.config import CacheSettings
+
+    encoder = PromptEncoder(str(tiny_dir))
+    prompts = encoder.encode(["a red cat", "a lighthouse", "a cup of tea", "a red cat"])
+    negatives = encoder.encode(["blurry", "blurry", "dark", "blurry"])
+    choices = [LoraRef("A", adapters["A"], 1.0), LoraRef("B", adapters["B"], 0.8), None,
+               LoraRef("A", adapters["A"], 0.4)]
+    caches = [None, CacheSettings(kind="first_block", threshold=0.2), None, None]
+    requests = [DenoiseRequest(f"r{i}", DenoiseParams(64, 64, 4, seed=7, true_cfg_scale=4.0, cache=caches[i],
+                                                       lora=choices[i]), prompts[i], negatives[i])
+                for i in range(4)]
+
+    def run(batch):
+        core = EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner)
+        for request in batch:
+            core.add_request(dataclasses.replace(request))
+        return run_to_completion(core)
+
+    together, batches = run(requests)
+    assert max(len(batch) for batch in batches) == 4  # one batch of four
+    alone = {}
+    for request in requests:
+        alone.update(run([request])[0])
+    for request_id, latents in together.items():
+        assert (latents.latents - alone[request_id].latents).abs().max().item() <= TOLERANCE, request_id
+    # Rows 0 and 3 differ only by A's scale, 0 and 2 by adapter: the test would notice rows swapping adapters.
+    assert (together["r0"].latents - together["r3"].latents).abs().max() > 0.05
+    assert runner.states == {}
+
+
+def test_broken_and_mismatched_files_are_refused_naming_lora_path(tiny_dir, adapters, runner, tmp_path):
+    from safetensors.torch import save_file
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    (tmp_path / "wrong").mkdir()
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 7),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 4)},
+              tmp_path / "wrong" / "pytorch_lora_weights.safetensors")
+    (tmp_path / "unknown").mkdir()
+    save_file({"transformer.no_such_layer.lora_A.weight": torch.zeros(4, 8),
+               "transformer.no_such_layer.lora_B.weight": torch.zeros(8, 4)},
+              tmp_path / "unknown" / "pytorch_lora_weights.safetensors")
+    for path, says in ((tmp_path / "missing", "not a LoRA file"), (garbage, "not a LoRA file"),
+                       (tmp_path / "wrong", "shapes"), (tmp_path / "unknown", "not a Linear layer")):
+        with pytest.raises(RequestError, match=says) as info:
+            read_lora(str(path), runner.lora_shapes)
+        assert info.value.param == "lora_path"
+
+
+def test_each_row_adds_its_own_update_exactly():
+    """One adapted layer: a batch of rows with adapters A, B (another rank), none, and A at another scale gives each
+    row bit for bit what the row gives alone; a row without an adapter gets the base layer's output."""
+    from omni_ray.stages.lora import LoraLayer, LoraTable
+
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    table = LoraTable(model, max_loras=2)
+    for name, rank, scaling in (("A", 4, 2.0), ("B", 8, 1.0)):
+        table.add((name, name), {"0": LoraLayer(torch.randn(rank, 64, generator=generator),
+                                               torch.randn(96, rank, generator=generator), scaling)})
+    x = torch.randn(4, 50, 64, generator=generator)
+    choices = [LoraRef("A", "A"), LoraRef("B", "B", 0.8), None, LoraRef("A", "A", 0.4)]
+    with torch.no_grad():
+        with table.applied(table.rows(choices)):
+            together = model(x)
+        for row, choice in enumerate(choices):
+            with table.applied(table.rows([choice])):
+                assert torch.equal(together[row], model(x[row : row + 1])[0]), row
+        base = model[0].base(x)
+    assert torch.equal(together[2], base[2]) and not torch.allclose(together[0], base[0])
+    assert not torch.allclose(together[0], together[3])
+
+
+class FakeDiT:
+    """An AsyncEngine's ``call`` over a runner that only records adapters: residency is the subject here."""
+
+    def __init__(self):
+        self.core = type("Core", (), {})()
+        self.core.runner = self
+        self.held: set = set()
+        self.log: list = []
+
+    async def call(self, method):
+        await asyncio.sleep(0)
+        return method(self.core)
+
+    def add_lora(self, key, layers):
+        assert key not in self.held
+        self.held.add(key)
+        self.log.append(("add", key[0]))
+
+    def remove_lora(self, key):
+        self.held.remove(key)
+        self.log.append(("remove", key[0]))
+
+
+def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
+    def reader(path, shapes):
+        if path == "broken":
+            raise RequestError("lora_path: broken", param="lora_path")
+        return {}
+
+    async def scenario():
+        dit = FakeDiT()
+        residency = LoraResidency(dit, max_loras=2, shapes={}, reader=reader)
+        ref = {name: LoraRef(name, name.lower()) for name in "ABCD"}
+        async with residency.use(ref["A"]):
+            async with residency.use(ref["B"]):
+                pass
+            async with residency.use(ref["A"]):  # resident: no second load
+                pass
+            async with residency.use(ref["C"]):  # B is the least recently used idle one
+                assert dit.held == {ref["A"].key, ref["C"].key}
+            # A (in use) and C (idle) are resident: C leaves for D, not A.
+            async with residency.use(ref["D"]):
+                assert dit.held == {ref["A"].key, ref["D"].key}
+        assert dit.log == [("add", "A"), ("add", "B"), ("remove", "B"), ("add", "C"), ("remove", "C"), ("add", "D")]
+
+        # Both slots busy: a third adapter waits for a request to end.
+        dit.log.clear()
+        release = asyncio.Event()
+
+        async def hold(name):
+            async with residency.use(ref[name]):
+                await release.wait()
+
+        holders = [asyncio.ensure_future(hold(name)) for name in "AB"]
+        await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(hold("C"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and len(dit.held) == 2
+        release.set()
+        await asyncio.gather(*holders, waiting)
+        assert len(dit.held) == 2 and ref["C"].key in dit.held
+
+        # A file that fails to load fails its request as an engine error and leaves no slot taken.
+        with pytest.raises(EngineError, match="could not be loaded"):
+            async with residency.use(LoraRef("X", "broken")):
+                pass
+        assert ("X", "broken") not in residency.resident and dit.held == set(residency.resident)
+
+    asyncio.run(scenario())
