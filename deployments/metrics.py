@@ -1,7 +1,7 @@
 """omni-ray's Prometheus metrics, through Ray Serve's metrics API (Ray exports them with its `ray_` prefix).
 
-Every stage metric carries a `stage` label (encoder, dit, vae, coordinator); Serve adds the deployment, replica and
-application labels.
+Every stage metric carries a `stage` label (encoder, dit, vae, coordinator). Ray 2.60 exports each sample with its
+process's `WorkerId` and `NodeAddress`, not with Serve's deployment and replica tags: tell replicas apart by WorkerId.
 """
 
 from __future__ import annotations
@@ -50,4 +50,9 @@ event_loop_stall = metrics.Histogram(
 process_cpu = metrics.Counter(
     "omni_process_cpu_seconds_total", description="CPU time of the replica's process, all its threads.",
     tag_keys=("stage",),
+)
+lora_loads = metrics.Counter(
+    "omni_lora_loads_total",
+    description="LoRA adapters a DiT replica put on its device: on first use, or again after it evicted them.",
+    tag_keys=("stage", "adapter"),
 )

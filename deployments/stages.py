@@ -121,7 +121,10 @@ class DiT(_EngineShim):
 
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_dit_core(config))
-        self.loras = LoraResidency(self.engine, config.dit.max_loras, self.engine.core.runner.lora_shapes)
+        self.loras = LoraResidency(
+            self.engine, config.dit.max_loras, self.engine.core.runner.lora_shapes,
+            on_load=lambda name: metrics.lora_loads.inc(tags={**self.tags, "adapter": name}),
+        )
 
         async def route(name: str) -> str:
             return name

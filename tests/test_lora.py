@@ -83,6 +83,35 @@ def test_a_request_with_an_adapter_equals_diffusers_load_lora_weights(tiny_dir, 
         pipeline.shutdown()
 
 
+def test_edits_take_adapters_too(edit_dir, tmp_path):
+    """The edit preset's DiT (the input image's tokens beside the noisy ones) with an adapter equals diffusers'
+    QwenImageEditPipeline after load_lora_weights."""
+    from omni_ray.protocol import load_input_image
+    from reference import load_reference, reference_edit, source_image
+    from test_edit import png
+
+    adapter = str(make_adapter(edit_dir, tmp_path / "E", rank=4, alpha=4, seed=3))
+    config = load_config(REPO / "stage_configs" / "qwen_image_edit_tiny.yaml", model=str(edit_dir))
+    config = config.model_copy(update={"loras": {"E": adapter}})
+    source = source_image(180, 100, seed=1)
+    pipeline = Pipeline(config)
+    try:
+        body = {"prompt": "make the disc blue", "negative_prompt": "blurry", "num_inference_steps": 3, "seed": 5}
+        pixels = load_input_image(png(source), config)
+        (ours,) = asyncio.run(pipeline.generate({**body, "model": "E", "lora_scale": 0.9}, pixels))
+        (base,) = asyncio.run(pipeline.generate(body, pixels))
+    finally:
+        pipeline.shutdown()
+    reference = load_reference(edit_dir)
+    reference.load_lora_weights(adapter, adapter_name="E")
+    reference.set_adapters("E", 0.9)
+    expected = reference_edit(reference, config.edit.image_area, source, seed=5, prompt=body["prompt"],
+                              negative_prompt="blurry", true_cfg_scale=4.0, num_inference_steps=3)
+    assert ours.pixels.shape == expected.shape
+    assert np.abs(ours.pixels.astype(int) - expected.astype(int)).max() <= 1
+    assert np.abs(base.pixels.astype(int) - expected.astype(int)).max() > 20
+
+
 @pytest.fixture(scope="module")
 def runner(tiny_dir, adapters):
     runner = DenoiseRunner.load(str(tiny_dir), max_loras=2)

@@ -37,7 +37,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def add_request(self, request: DenoiseRequest) -> None:
         assert request.request_id not in self.key_of, f"duplicate request id {request.request_id}"
         self.waiting.append(request)
-        self.key_of[request.request_id] = request.batch_key
+        self.key_of[request.request_id] = self.batch_key(request)
         self.arrived_at[request.request_id] = (self.num_steps, self.num_arrivals)
         self.num_arrivals += 1
 
@@ -81,6 +81,10 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
                 self._forget(output.request_id)
         return outputs
 
+    def batch_key(self, request: DenoiseRequest) -> BatchKey:
+        """Requests with equal keys may share a step (the request's own key: size, CFG mode, edit image size)."""
+        return request.batch_key
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.key_of)
 
@@ -89,7 +93,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
 
     def _pick_key(self) -> BatchKey | None:
         """The current key while it has work and no other key has waited too long; else the longest-waiting key."""
-        keys = {key for key, ids in self.running.items() if ids} | {r.batch_key for r in self.waiting}
+        keys = {key for key, ids in self.running.items() if ids} | {self.key_of[r.request_id] for r in self.waiting}
         if not keys:
             self.current_key = None
             return None
@@ -111,7 +115,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def _admit(self, key: BatchKey, room: int) -> list[DenoiseRequest]:
         admitted, kept = [], deque()
         for request in self.waiting:
-            if request.batch_key == key and len(admitted) < room:
+            if self.key_of[request.request_id] == key and len(admitted) < room:
                 admitted.append(request)
             else:
                 kept.append(request)

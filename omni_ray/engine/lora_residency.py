@@ -33,8 +33,9 @@ class _Resident:
 
 class LoraResidency:
     def __init__(self, engine: AsyncEngine, max_loras: int, shapes: Mapping[str, tuple[int, int]],
-                 reader: Reader = read_lora):
+                 reader: Reader = read_lora, on_load: Callable[[str], None] | None = None):
         self.engine, self.max_loras, self.shapes, self.reader = engine, max_loras, shapes, reader
+        self.on_load = on_load  # called with an adapter's name each time it is loaded, for metrics
         self.resident: OrderedDict[LoraKey, _Resident] = OrderedDict()  # least recently used first
         self._released: list[asyncio.Future] = []  # requests waiting for a resident adapter to fall idle
         self.num_loads = 0
@@ -88,6 +89,8 @@ class LoraResidency:
             self._wake()
             raise
         self.num_loads += 1
+        if self.on_load is not None:
+            self.on_load(lora.name)
         logger.info("LoRA adapter %r loaded from %s", lora.name, lora.path)
 
     def _wake(self) -> None:

@@ -157,11 +157,12 @@ class LoraLinear(nn.Module):
         if picked is None:
             return y
         index, slots, scales = picked
-        xs = x[index].reshape(len(index), -1, x.shape[-1])  # [k, tokens, in] (tokens 1 for [rows, in] inputs)
+        every_row = len(index) == x.shape[0]
+        xs = (x if every_row else x[index]).reshape(len(index), -1, x.shape[-1])  # [k, tokens, in]
         down = torch.bmm(xs, self.a[slots].transpose(1, 2))  # [k, tokens, rank]
         up = torch.bmm(down, self.b[slots].transpose(1, 2))  # [k, tokens, out]
-        up = up * (self.scaling[slots] * scales).view(-1, 1, 1)
-        return y.index_add(0, index, up.reshape(len(index), *y.shape[1:]))
+        up = (up * (self.scaling[slots] * scales).view(-1, 1, 1)).reshape(len(index), *y.shape[1:])
+        return y + up if every_row else y.index_add(0, index, up)
 
     def fill(self, slot: int, layer: LoraLayer) -> None:
         rank = layer.a.shape[0]
