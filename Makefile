@@ -56,3 +56,4 @@ bench: install
 	$(PY) -m benchmarks.edit_throughput
 	$(PY) -m benchmarks.dit_cache
 	$(PY) -m benchmarks.scale
+	$(PY) -m benchmarks.lora

@@ -42,7 +42,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
     from omni_ray.stages.encode import PromptEncoder
     from omni_ray.stages.lora import read_lora
     from omni_ray.tiny import write_checkpoint
-    from tests.lora_files import make_adapter
+    from tests.lora_files import TARGETS, make_adapter
 
     class OneAdapterPerBatch(DiTScheduler):
         def batch_key(self, request):
@@ -133,7 +133,28 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
         "stream": {"mixed_s": mixed, "mixed_img_s": concurrency / mixed, "one_adapter_per_batch_s": per_adapter,
                    "one_adapter_per_batch_img_s": concurrency / per_adapter, "speedup": per_adapter / mixed},
         "step": steps_rows, "machine": machine(),
+        "lora_linear_flops_share": {"small": lora_flops_share(runner.lora_shapes, rank, TARGETS), **flops_shares(rank)},
     }
+
+
+def lora_flops_share(shapes: dict[str, tuple[int, int]], rank: int, targets: tuple[str, ...]) -> float:
+    """What an adapter of ``rank`` on ``targets`` adds to the FLOPs of the transformer's Linear layers (per token:
+    r * (in + out) against in * out); attention's own FLOPs, which grow with the tokens, are left out."""
+    base = sum(i * o for i, o in shapes.values())
+    adapted = sum(rank * (i + o) for name, (i, o) in shapes.items() if any(name.endswith("." + t) for t in targets))
+    return adapted / base
+
+
+def flops_shares(rank: int) -> dict:
+    """The LoRA FLOP share for the small checkpoint and for Qwen-Image at full size (built on the meta device)."""
+    from torch import nn
+
+    from omni_ray.full_size import build_meta
+    from tests.lora_files import TARGETS
+
+    full = build_meta()["transformer"]
+    shapes = {n: (m.in_features, m.out_features) for n, m in full.named_modules() if isinstance(m, nn.Linear)}
+    return {"full_size": lora_flops_share(shapes, rank, TARGETS)}
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
