@@ -187,6 +187,12 @@ class DiTConfig(_StageConfig):
         QWEN_IMAGE_TEACACHE, min_length=1,
         description="TeaCache's rescaling polynomial, highest power first; the default is published for Qwen-Image.",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block (regional compilation, diffusers' compile_repeated_blocks) "
+        "with dynamic shapes: the first steps of new shapes compile (tens of seconds), later ones run the compiled "
+        "code; layers with a LoRA adapter loaded run their update outside the compiled graph.",
+    )
     max_loras: PositiveInt = Field(
         4, description="LoRA adapters each DiT replica holds on its device at most; the least recently used idle one "
         "leaves first when another is needed.",
@@ -307,8 +313,6 @@ class PipelineConfig(_Frozen):
                 raise ValueError(f"{stage_name}.deployment.num_gpus must be > 0 when {stage_name}.device is cuda")
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
-        if self.weights == "dummy" and self.edit is not None:
-            raise ValueError("weights: dummy builds text-to-image only; edits need the edit checkpoint's weights")
         check_placement(self)
         if self.name in self.loras:
             raise ValueError(f"loras: {self.name!r} is the base model's name; give the adapter another")
@@ -355,7 +359,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
         if config.build_if_missing == "dummy" and not model_dir.exists():
             from omni_ray.dummy import write_dummy_checkpoint
 
-            write_dummy_checkpoint(model_dir)
+            write_dummy_checkpoint(model_dir, edit=config.edit is not None)
         elif config.build_if_missing and not model_dir.exists():
             from omni_ray.tiny import write_checkpoint
 

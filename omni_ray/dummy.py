@@ -1,7 +1,8 @@
 """A full-size Qwen-Image without weights: the shipped configs and a locally built tokenizer, for `weights: dummy`.
 
     python -m omni_ray.dummy OUT_DIR               # Qwen-Image's real architecture (omni_ray/model_configs)
-    python -m omni_ray.dummy OUT_DIR --layers 1    # the same widths, 1 transformer block and 1 language-model layer
+    python -m omni_ray.dummy OUT_DIR --layers 1    # the same widths, 1 transformer block, 1 layer of each encoder part
+    python -m omni_ray.dummy OUT_DIR --edit        # Qwen-Image-Edit's layout: the same, plus processor/
 
 The directory is in diffusers' layout with every component's config and no weight file; a preset with
 ``weights: dummy`` builds each stage from it with random weights on its device, in its dtype (the encoder through
@@ -51,18 +52,29 @@ def qwen_sized_tokenizer():
     return tokenizer
 
 
-def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = None) -> pathlib.Path:
-    """Writes the shipped configs (with ``layers`` transformer blocks and language-model layers, if given) and the
-    tokenizer to ``out_dir``; no weights."""
+def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = None, edit: bool = False
+                           ) -> pathlib.Path:
+    """Writes the shipped configs (with ``layers`` transformer blocks, language-model layers and vision blocks, if
+    given) and the tokenizer to ``out_dir``; no weights. ``edit`` writes Qwen-Image-Edit's layout: its pipeline
+    class and Qwen2.5-VL's processor (``processor/``) for the vision path; Qwen-Image-Edit's transformer, VAE and
+    text encoder have Qwen-Image's architecture."""
     out = pathlib.Path(out_dir).expanduser()
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(CONFIG_DIR, partial, ignore=shutil.ignore_patterns("tokenizer"))
     if layers is not None:
         _edit(partial / "transformer" / "config.json", lambda c: c.update(num_layers=layers))
-        _edit(partial / "text_encoder" / "config.json", lambda c: c["text_config"].update(
-            num_hidden_layers=layers, max_window_layers=layers, layer_types=["full_attention"] * layers))
-    qwen_sized_tokenizer().save_pretrained(partial / "tokenizer")
+        _edit(partial / "text_encoder" / "config.json", lambda c: (c["text_config"].update(
+            num_hidden_layers=layers, max_window_layers=layers, layer_types=["full_attention"] * layers),
+            c["vision_config"].update(depth=layers, fullatt_block_indexes=[layers - 1])))
+    tokenizer = qwen_sized_tokenizer()
+    tokenizer.save_pretrained(partial / "tokenizer")
+    if edit:
+        from omni_ray.tiny import build_processor
+
+        build_processor(tokenizer).save_pretrained(partial / "processor")
+        _edit(partial / "model_index.json", lambda c: c.update(
+            _class_name="QwenImageEditPipeline", processor=["transformers", "Qwen2VLProcessor"]))
     try:
         partial.rename(out)  # whole or not at all: replicas starting together see a complete directory
     except OSError:  # another process wrote it first
@@ -80,9 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m omni_ray.dummy", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", help="directory to write to")
     parser.add_argument("--layers", type=int, default=None,
-                        help="transformer blocks and language-model layers (default: Qwen-Image's 60 and 28)")
+                        help="transformer blocks, language-model layers and vision blocks (default: Qwen-Image's "
+                        "60, 28 and 32)")
+    parser.add_argument("--edit", action="store_true", help="Qwen-Image-Edit's layout (with processor/)")
     args = parser.parse_args(argv)
-    print(f"wrote a weightless Qwen-Image to {write_dummy_checkpoint(args.out_dir, args.layers)}")
+    out = write_dummy_checkpoint(args.out_dir, args.layers, args.edit)
+    print(f"wrote a weightless Qwen-Image{'-Edit' if args.edit else ''} to {out}")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def test_every_preset_validates():
     presets = sorted(PRESETS.glob("*.yaml"))
     assert {p.name for p in presets} >= {"qwen_image.yaml", "qwen_image_tiny.yaml", "qwen_image_edit.yaml",
                                          "qwen_image_edit_tiny.yaml", "qwen_image_sim.yaml",
-                                         "qwen_image_dummy.yaml"}
+                                         "qwen_image_dummy.yaml", "qwen_image_edit_dummy.yaml"}
     for path in presets:
         data = yaml.safe_load(path.read_text())
         data["model"] = "Qwen/Qwen-Image"  # the checkpoint may not be built here; the rest must validate

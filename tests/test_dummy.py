@@ -45,9 +45,6 @@ def dummy_preset(model, **changes) -> dict:
 def test_presets_refuse_dummy_settings_that_cannot_work(reduced):
     with pytest.raises(ConfigError, match="build_if_missing: dummy writes no weights"):
         parse_config(dummy_preset(reduced, weights="checkpoint", build_if_missing="dummy"))
-    edit = yaml.safe_load((REPO / "stage_configs/qwen_image_edit_tiny.yaml").read_text())
-    with pytest.raises(ConfigError, match="weights: dummy builds text-to-image only"):
-        parse_config({**edit, "weights": "dummy"})
     shipped = load_config(REPO / "stage_configs/qwen_image_dummy.yaml", model=str(reduced))
     assert (shipped.weights, shipped.dit.dtype, shipped.dit.device) == ("dummy", "bfloat16", "cuda")
 
@@ -66,3 +63,29 @@ def test_a_reduced_dummy_app_runs_every_stage_and_returns_an_image(reduced):
     assert image.pixels.shape == (64, 96, 3) and image.pixels.dtype == np.uint8
     assert image.latents.latents.shape == (4 * 6, 64)
     assert image.dit_passes == {"computed": 4, "reused": 0}  # 2 steps, true CFG
+
+
+@pytest.mark.vllm  # the encoder is vLLM's, with its vision tower, in this process
+def test_a_reduced_dummy_edit_app_edits_an_image(tmp_path):
+    """Qwen-Image-Edit's layout without weights: vLLM's dummy load format builds the vision tower too."""
+    from omni_ray.pipeline import Pipeline
+    from omni_ray.protocol import load_input_image
+    from reference import source_image
+    from test_edit import png
+
+    model = write_dummy_checkpoint(tmp_path / "qwen-image-edit-1-layer", layers=1, edit=True)
+    assert json.loads((model / "model_index.json").read_text())["_class_name"] == "QwenImageEditPipeline"
+    assert json.loads((model / "text_encoder/config.json").read_text())["vision_config"]["depth"] == 1
+    edit = yaml.safe_load((REPO / "stage_configs/qwen_image_edit_tiny.yaml").read_text())
+    edit.pop("build_if_missing")
+    config = parse_config({**edit, "name": "qwen-image-edit-dummy-1-layer", "model": str(model), "weights": "dummy"})
+    pipeline = Pipeline(config)
+    try:
+        pixels = load_input_image(png(source_image(180, 100, seed=2)), config)
+        body = {"prompt": "make the disc blue", "negative_prompt": "blurry", "seed": 3, "num_inference_steps": 2}
+        (image,) = asyncio.run(pipeline.generate(body, pixels))
+    finally:
+        pipeline.shutdown()
+    assert image.pixels.shape == pixels.shape and image.pixels.dtype == np.uint8
+    assert image.dit_passes == {"computed": 4, "reused": 0}
+

@@ -42,7 +42,7 @@ def build_dit_core(config: PipelineConfig) -> EngineCore:
     if stage.runner == "simulated":
         return EngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
-                                dummy=config.weights == "dummy", max_loras=stage.max_loras)
+                                dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile)
     return EngineCore(scheduler, runner)
 
 

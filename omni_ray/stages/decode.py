@@ -21,6 +21,7 @@ from diffusers.image_processor import VaeImageProcessor
 from omni_ray.config import SIZE_MULTIPLE
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.stages.denoise import Latents, pack_latents
+from omni_ray.stages.host import to_host
 from omni_ray.stages.random_weights import random_model
 
 logger = logging.getLogger(__name__)
@@ -148,9 +149,13 @@ class VaeRunner:
             for request in requests
         }
 
-    @torch.no_grad()
     def decode(self, batch: list[Latents]) -> np.ndarray:
         """Decodes same-size latents in one VAE call; returns uint8 pixels ``[B, H, W, 3]``."""
+        return to_host(self._decode(batch)).numpy()
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[Latents]) -> torch.Tensor:
+        """uint8 ``[B, H, W, 3]`` on the device: a quarter of float32's bytes to copy to the host."""
         height, width = batch[0].height, batch[0].width
         assert all((item.height, item.width) == (height, width) for item in batch), "mixed sizes in one decode"
         packed = torch.stack([item.latents for item in batch]).to(self.device)
@@ -158,12 +163,19 @@ class VaeRunner:
         mean = self.latents_mean.to(latents.device, latents.dtype)
         inverse_std = 1.0 / self.latents_std.to(latents.device, latents.dtype)
         image = self.vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
-        image = self.image_processor.postprocess(image, output_type="np")
-        return (image * 255).round().astype(np.uint8)
+        # VaeImageProcessor.postprocess(output_type="pil")'s arithmetic, on the device: denormalise in the VAE's
+        # dtype, then float32, scale and round (half to even, as numpy rounds).
+        image = self.image_processor.denormalize(image).permute(0, 2, 3, 1).float()
+        return (image * 255).round().to(torch.uint8)
 
-    @torch.no_grad()
     def encode(self, images: list[np.ndarray]) -> list[Latents]:
         """Encodes same-size uint8 images ``[H, W, 3]`` in one VAE call; returns each one's packed latents."""
+        height, width = images[0].shape[:2]
+        return [Latents(to_host(row), height, width) for row in self._encode(images)]
+
+    @torch.inference_mode()
+    def _encode(self, images: list[np.ndarray]) -> torch.Tensor:
+        """The images' packed latents ``[B, tokens, 64]``, on the device."""
         from PIL import Image
 
         height, width = images[0].shape[:2]
@@ -173,5 +185,4 @@ class VaeRunner:
         latents = self.vae.encode(pixels).latent_dist.mode()
         mean = self.latents_mean.to(latents.device, latents.dtype)
         std = self.latents_std.to(latents.device, latents.dtype)
-        packed = pack_latents(((latents - mean) / std).transpose(1, 2))
-        return [Latents(row.cpu().contiguous(), height, width) for row in packed]
+        return pack_latents(((latents - mean) / std).transpose(1, 2))

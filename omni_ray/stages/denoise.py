@@ -21,6 +21,7 @@ from omni_ray.config import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, CacheSettings, L
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.stages.dit_cache import BranchCache, cached_forward
 from omni_ray.stages.encode import PromptEmbeds
+from omni_ray.stages.host import to_host
 from omni_ray.stages.lora import LoraLayer, LoraTable
 from omni_ray.stages.random_weights import random_model
 
@@ -167,9 +168,11 @@ class DenoiseRunner:
     def load(
         cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False, max_loras: int = 4,
+        compile: bool = False,
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
-        ``dummy``, its transformer built from the config with random weights."""
+        ``dummy``, its transformer built from the config with random weights; with ``compile``, its blocks
+        compiled (dynamic shapes: batch sizes, sub-batches of cache acceleration and text lengths vary)."""
         if dummy:
             config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
             transformer = random_model(QwenImageTransformer2DModel, config, dtype, device)
@@ -178,7 +181,10 @@ class DenoiseRunner:
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
         assert 2 ** len(vae_config["temperal_downsample"]) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
-        return cls(transformer.to(device), scheduler_config, teacache_coefficients, max_loras)
+        transformer = transformer.to(device)
+        if compile:
+            transformer.compile_repeated_blocks(dynamic=True)
+        return cls(transformer, scheduler_config, teacache_coefficients, max_loras)
 
     @property
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
@@ -278,7 +284,7 @@ class DenoiseRunner:
             caches=[BranchCache(params.cache)] * (2 if do_true_cfg else 1) if params.cache is not None else None,
         )
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, states: list[DenoiseState], fuse_cfg: bool = True) -> None:
         """Advances every state by one denoising step.
 
@@ -352,7 +358,7 @@ class DenoiseRunner:
         else:
             passes = {"computed": state.num_steps * (2 if state.do_true_cfg else 1), "reused": 0}
         return Latents(
-            state.latents[0].cpu().contiguous(), state.params.height, state.params.width, dit_passes=passes
+            to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )
 
 

@@ -150,19 +150,24 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        rows = self.table.current
-        if rows is None or not self.filled:
+        if not self.filled or self.table.current is None:
             return y
-        picked = rows.for_batch(x.shape[0]).pick(self.filled)
+        return y + self._update(x)  # rows without an adapter here add exact zeros
+
+    @torch.compiler.disable  # which rows use which slots changes every step: in a compiled block, run it eagerly
+    def _update(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's own low-rank update, shaped as the layer's output."""
+        shape = (*x.shape[:-1], self.base.out_features)
+        picked = self.table.current.for_batch(x.shape[0]).pick(self.filled)
         if picked is None:
-            return y
+            return x.new_zeros(shape)
         index, slots, scales = picked
         every_row = len(index) == x.shape[0]
         xs = (x if every_row else x[index]).reshape(len(index), -1, x.shape[-1])  # [k, tokens, in]
         down = torch.bmm(xs, self.a[slots].transpose(1, 2))  # [k, tokens, rank]
         up = torch.bmm(down, self.b[slots].transpose(1, 2))  # [k, tokens, out]
-        up = (up * (self.scaling[slots] * scales).view(-1, 1, 1)).reshape(len(index), *y.shape[1:])
-        return y + up if every_row else y.index_add(0, index, up)
+        up = (up * (self.scaling[slots] * scales).view(-1, 1, 1)).reshape(len(index), *shape[1:])
+        return up if every_row else x.new_zeros(shape).index_copy(0, index, up)
 
     def fill(self, slot: int, layer: LoraLayer) -> None:
         rank = layer.a.shape[0]
