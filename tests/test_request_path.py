@@ -269,7 +269,7 @@ def test_an_image_sent_through_the_handle_to_a_text_to_image_app_is_refused(tiny
     from conftest import REPO
 
     config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
-    fake = SimpleNamespace(config=config, tokenizer=PromptTokenizer(config.model))
+    fake = SimpleNamespace(config=config, tokenizer=PromptTokenizer(config.model), adapters={})
     with pytest.raises(RequestError, match="does not edit images") as info:
         asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}, image=b"\x89PNG..."))
     assert info.value.param == "image"
