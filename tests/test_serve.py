@@ -245,7 +245,9 @@ BAD_REQUESTS = [
     ({"prompt": "a cat", "output_compression": 101}, 400, "output_compression"),
     ({"prompt": "a cat", "seed": -1}, 400, "seed"),
     ({"prompt": "a cat", "seed": "7"}, 400, "seed"),
-    ({"prompt": "a cat", "model": "dall-e-3"}, 400, "model"),
+    ({"prompt": "a cat", "model": "dall-e-3"}, 404, "model"),  # as OpenAI answers: code model_not_found
+    ({"prompt": "a cat", "lora_scale": 0.5}, 400, "lora_scale"),  # a scale without an adapter
+    ({"prompt": "a cat", "model": "qwen-image-tiny", "lora_scale": 11.0}, 400, "lora_scale"),
     ({"prompt": "a cat", "colour": "red"}, 400, "colour"),
     ({"prompt": "a cat", "cache": {"kind": "magcache", "threshold": 0.1}}, 400, "cache.kind"),
     ({"prompt": "a cat", "cache": {"kind": "teacache", "threshold": 5}}, 400, "cache.threshold"),
