@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from omni_ray.engine.output import StepDone
 from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageLostError
-from omni_ray.request_path import DenoiseEvent, LatentsReady, Stages
+from omni_ray.request_path import DenoiseEvent, LatentsReady, PreviewReady, Stages
 from omni_ray.stages.decode import Decoded, OutputMode
 from omni_ray.stages.denoise import DenoiseParams
 from omni_ray.stages.encode import EncodeRequest
@@ -112,6 +112,8 @@ class ServeStages(Stages):
             async for ref in refs:
                 step: StepDone = await ref
                 yield step
+                if step.has_preview:  # the step's preview follows; it goes to the VAE by reference too
+                    yield PreviewReady(await refs.__anext__())
                 if step.step == step.total:  # the latents follow the last step, and stay where they are
                     yield LatentsReady(await refs.__anext__())
                     return

@@ -63,9 +63,14 @@ class _EngineShim:
         start = time.perf_counter()
         name = timing or self.stage
         queued = {}
+        preview_follows = False
         try:
             async for item in self.engine.stream(request, on_start=lambda s: queued.update({f"{name}_queued": s})):
-                if not isinstance(item, StepDone):
+                if isinstance(item, StepDone):
+                    preview_follows = item.has_preview
+                elif preview_follows:  # a step's preview, not the result
+                    preview_follows = False
+                else:
                     seconds = time.perf_counter() - start
                     metrics.stage_request_latency.observe(seconds, tags=self.tags)
                     logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)

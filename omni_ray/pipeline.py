@@ -26,7 +26,16 @@ from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
 from omni_ray.engine.output import StepDone
 from omni_ray.protocol import ImageGenerationRequest, load_input_image, plan_request
-from omni_ray.request_path import DenoiseEvent, Handle, LatentsReady, RequestEvent, Stages, collect, run_request
+from omni_ray.request_path import (
+    DenoiseEvent,
+    Handle,
+    LatentsReady,
+    PreviewReady,
+    RequestEvent,
+    Stages,
+    collect,
+    run_request,
+)
 from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
 from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
 from omni_ray.stages.encode import EncodeRequest, PromptTokenizer, template_for
@@ -68,8 +77,16 @@ class LocalStages(Stages):
         image = await asyncio.shield(image_latents) if image_latents is not None else None
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image)
         async with self.loras.use(params.lora):
+            preview_follows = False
             async for item in self.dit.stream(request):
-                yield item if isinstance(item, StepDone) else LatentsReady(item)
+                if isinstance(item, StepDone):
+                    preview_follows = item.has_preview
+                    yield item
+                elif preview_follows:
+                    preview_follows = False
+                    yield PreviewReady(item)
+                else:
+                    yield LatentsReady(item)
 
     async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
         return await self.vae.generate(DecodeRequest(request_id, latents, output))

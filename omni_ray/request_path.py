@@ -44,7 +44,14 @@ class LatentsReady:
     latents: Handle
 
 
-DenoiseEvent = StepDone | LatentsReady
+@dataclass(slots=True)
+class PreviewReady:
+    """The clean latents the DiT predicted at a step the request asked a preview of, as a handle for the VAE."""
+
+    latents: Handle
+
+
+DenoiseEvent = StepDone | PreviewReady | LatentsReady
 
 
 class Stages(ABC):
@@ -68,7 +75,8 @@ class Stages(ABC):
     def denoise(
         self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: Handle | None
     ) -> AsyncIterator[DenoiseEvent]:
-        """Denoises one image: ``StepDone`` after every step, then ``LatentsReady``. Closing it aborts the call."""
+        """Denoises one image: ``StepDone`` after every step (then ``PreviewReady`` when the step has a preview), then
+        ``LatentsReady``. Closing it aborts the call."""
 
     @abstractmethod
     async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
@@ -89,6 +97,16 @@ class Progress:
 
 
 @dataclass(slots=True)
+class Preview:
+    """Image ``index``'s preview number ``partial_index`` (0-based): the VAE decode of the clean image a step
+    predicted."""
+
+    index: int
+    partial_index: int
+    result: Decoded
+
+
+@dataclass(slots=True)
 class ImageDone:
     """Image ``index`` is done."""
 
@@ -103,7 +121,7 @@ class Failed:
     error: OmniRayError
 
 
-RequestEvent = Progress | ImageDone | Failed
+RequestEvent = Progress | Preview | ImageDone | Failed
 
 
 async def run_request(
@@ -150,12 +168,18 @@ async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
 
 
 def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
-    """Image ``index``'s DiT parameters: its seed is the request's plus ``index``."""
+    """Image ``index``'s DiT parameters: its seed is the request's plus ``index``; a streamed request's
+    ``partial_images`` previews come after steps spread evenly before the last."""
     request = plan.request
     return DenoiseParams(
         plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale, plan.cache,
-        plan.lora,
+        plan.lora, preview_steps(request.partial_images if request.stream else 0, plan.num_inference_steps),
     )
+
+
+def preview_steps(count: int, num_steps: int) -> tuple[int, ...]:
+    """``count`` distinct steps in 1..num_steps-1, evenly spread (fewer when there are fewer steps than that)."""
+    return tuple(sorted({max(1, round(num_steps * (i + 1) / (count + 1))) for i in range(count)} - {num_steps}))
 
 
 class _SharedInputs:
@@ -196,6 +220,7 @@ async def _run_image(
     params = denoise_params(plan, index)
     latents: Handle | None = None
     retries = 0
+    previews = _Previews(stages, index, emit, len(params.previews))
     try:
         while True:
             call_id = image_id if not retries else f"{image_id}-retry{retries}"
@@ -205,9 +230,13 @@ async def _run_image(
                     async for event in stages.denoise(call_id, params, prompt, image_latents):
                         if isinstance(event, StepDone):
                             emit(Progress(index, event.step, event.total))
+                        elif isinstance(event, PreviewReady):
+                            previews.decode(call_id, event.latents)
                         else:
                             latents = event.latents
-                emit(ImageDone(index, await stages.decode(call_id, latents, output)))
+                result = await stages.decode(call_id, latents, output)
+                await previews.finish()  # previews come before the image
+                emit(ImageDone(index, result))
                 return
             except StageLostError as lost:
                 retries += 1
@@ -224,3 +253,43 @@ async def _run_image(
     except Exception as err:  # a bug: still one error event, never a hang
         logger.exception("request %s failed", image_id)
         emit(Failed(EngineError(f"{type(err).__name__}: {err}")))
+    finally:
+        previews.cancel()
+
+
+class _Previews:
+    """An image's previews: each decoded in the VAE's batches as soon as the DiT hands it over, while the DiT goes
+    on, and emitted in order as they are done. A preview is best effort: one that fails (its VAE replica lost, say)
+    is skipped, and the image goes on."""
+
+    def __init__(self, stages: Stages, index: int, emit, count: int):
+        self.stages, self.index, self.emit, self.count = stages, index, emit, count
+        self.decodes: list[asyncio.Future] = []
+        self.emitted: list[asyncio.Future] = []
+
+    def decode(self, call_id: str, latents: Handle) -> None:
+        number = len(self.decodes)
+        if number >= self.count:  # a denoise issued again after a lost replica previews its steps again
+            return
+        self.decodes.append(asyncio.ensure_future(self.stages.decode(f"{call_id}-preview{number}", latents, "pixels")))
+        before = self.emitted[-1] if self.emitted else None
+        self.emitted.append(asyncio.ensure_future(self._emit(number, before)))
+
+    async def _emit(self, number: int, before: asyncio.Future | None) -> None:
+        try:
+            result = await self.decodes[number]
+        except OmniRayError as err:
+            logger.warning("image %d: preview %d skipped: %s", self.index, number, err)
+            result = None
+        if before is not None:
+            await before
+        if result is not None:
+            self.emit(Preview(self.index, number, result))
+
+    async def finish(self) -> None:
+        """Waits until every preview so far is out (or skipped)."""
+        await asyncio.gather(*self.emitted)
+
+    def cancel(self) -> None:
+        for task in self.decodes + self.emitted:
+            task.cancel()

@@ -26,7 +26,7 @@ from omni_ray.errors import EngineError, request_failure
 
 logger = logging.getLogger(__name__)
 
-ProgressCallback = Callable[[int, int], None]
+ProgressCallback = Callable[[int, int, Any], None]  # (steps done, total steps, the step's preview or None)
 StartCallback = Callable[[float], None]  # seconds the request waited before the first step that ran it
 StepCallback = Callable[[float, int, int], None]  # (seconds, requests the step touched, requests still held)
 
@@ -92,10 +92,14 @@ class AsyncEngine:
             raise
 
     async def stream(self, request, on_start: StartCallback | None = None) -> AsyncIterator[Any]:
-        """``StepDone`` after every step of ``request``, then its stage result. Closing the stream aborts it."""
-        steps: asyncio.Queue[StepDone] = asyncio.Queue()
-        def on_progress(done: int, total: int) -> None:
-            steps.put_nowait(StepDone(done, total))
+        """``StepDone`` after every step of ``request`` (followed by the step's preview when it has one), then its
+        stage result. Closing the stream aborts it."""
+        steps: asyncio.Queue = asyncio.Queue()
+
+        def on_progress(done: int, total: int, preview: Any) -> None:
+            steps.put_nowait(StepDone(done, total, has_preview=preview is not None))
+            if preview is not None:
+                steps.put_nowait(preview)
 
         result = asyncio.ensure_future(self.generate(request, on_progress, on_start))
         try:
@@ -234,7 +238,7 @@ class AsyncEngine:
             if caller.on_start is not None:
                 caller.loop.call_soon_threadsafe(caller.on_start, max(0.0, step_started - caller.added_at))
         if caller.on_progress is not None and output.progress is not None:
-            caller.loop.call_soon_threadsafe(caller.on_progress, *output.progress)
+            caller.loop.call_soon_threadsafe(caller.on_progress, *output.progress, output.preview)
         if not output.finished:
             return
         del self._callers[output.request_id]

@@ -68,7 +68,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
 
     def update_from_output(self, scheduler_output: DenoiseBatch, runner_output: DenoiseOutput) -> list[EngineCoreOutput]:
         outputs = [
-            EngineCoreOutput(request_id, progress=progress)
+            EngineCoreOutput(request_id, progress=progress, preview=runner_output.previews.get(request_id))
             for request_id, progress in runner_output.progress.items()
             if request_id not in runner_output.finished
         ]

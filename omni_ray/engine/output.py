@@ -23,6 +23,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     error: EngineError | None = None  # set when finish_reason is "error"
     progress: tuple[int, int] | None = None  # (steps done, total steps), for stages that step
+    preview: Any = None  # with progress: an intermediate result the request asked for (the DiT's predicted image)
 
     @property
     def finished(self) -> bool:
@@ -35,10 +36,12 @@ class EngineCoreOutput:
 
 @dataclass(frozen=True, slots=True)
 class StepDone:
-    """A stepping stage's progress for one request: ``step`` of ``total`` steps are done."""
+    """A stepping stage's progress for one request: ``step`` of ``total`` steps are done. With ``has_preview``, the
+    stream's next item is the step's preview (the DiT's latents of the clean image it predicts at this step)."""
 
     step: int
     total: int
+    has_preview: bool = False
 
 
 class StepError(Exception):

@@ -44,6 +44,7 @@ class DenoiseParams:
     true_cfg_scale: float = 1.0  # CFG runs when > 1 and a negative prompt is given
     cache: CacheSettings | None = None  # DiT cache acceleration; never splits a batch
     lora: LoraRef | None = None  # a LoRA adapter resident in the runner; never splits a batch either
+    previews: tuple[int, ...] = ()  # steps after which to hand back the clean image the step predicts
 
     def batch_key(
         self, has_negative: bool, image_size: tuple[int, int] | None = None
@@ -85,6 +86,7 @@ class DenoiseOutput:
     finished: dict[str, Latents]  # request id -> final latents, for requests whose last step this was
     errors: dict[str, EngineError]  # request id -> why, for requests that failed alone
     progress: dict[str, tuple[int, int]]  # request id -> (steps done, total steps), for every stepped request
+    previews: dict[str, Latents] = field(default_factory=dict)  # request id -> the clean latents its step predicted
 
 
 @dataclass(slots=True)
@@ -100,6 +102,8 @@ class DenoiseState:
     image: torch.Tensor | None = None  # edits: the input image's packed latents [1, image_tokens, in_channels]
     image_size: tuple[int, int] | None = None  # edits: the input image's (height, width)
     caches: list[BranchCache] | None = None  # with cache acceleration: the conditional pass's, the unconditional's
+    preview: torch.Tensor | None = None  # [1, image_seq_len, in_channels] the last step's predicted clean latents,
+    # when params.previews asked for them, until the runner hands them out
     step_index: int = 0
 
     @property
@@ -218,6 +222,10 @@ class DenoiseRunner:
             if request_id in output.errors:
                 continue
             output.progress[request_id] = (state.step_index, state.num_steps)
+            if state.preview is not None:
+                output.previews[request_id] = Latents(to_host(state.preview[0]), state.params.height,
+                                                      state.params.width)
+                state.preview = None
             if state.is_finished:
                 output.finished[request_id] = self.finish(self.states.pop(request_id))
         return output
@@ -325,6 +333,8 @@ class DenoiseRunner:
             pred = cond[row : row + 1, :num_tokens]
             if cfg:
                 pred = guide(pred, uncond[row : row + 1, :num_tokens], state.params.true_cfg_scale)
+            if state.step_index + 1 in state.params.previews:
+                state.preview = predicted_clean(state, pred)
             t = state.scheduler.timesteps[state.step_index]
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
             if state.caches:  # kept with the step, so a step retried alone decides from the same caches
@@ -360,6 +370,13 @@ class DenoiseRunner:
         return Latents(
             to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )
+
+
+def predicted_clean(state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+    """The clean latents the step predicts: flow matching's ``x_t = (1 - sigma) x_0 + sigma * noise`` with velocity
+    ``noise - x_0``, so ``x_0 = x_t - sigma * v`` (in float32, as the scheduler computes its update)."""
+    sigma = state.scheduler.sigmas[state.step_index]
+    return (state.latents.float() - sigma * pred.float()).to(state.latents.dtype)
 
 
 def one_step_overrides(num_inference_steps: int) -> dict:
