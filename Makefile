@@ -13,12 +13,21 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
 # The tiny checkpoint the default preset (stage_configs/qwen_image_tiny.yaml) points at.
 TINY_DIR := $(HOME)/.cache/omni-ray/qwen-image-tiny
+# The page tests drive Debian's chromium through Playwright (which cannot download its own browser here).
+CHROMIUM := $(shell command -v chromium || command -v chromium-browser)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GPU machines take the CUDA build of vLLM; every other machine the CPU build.
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve bench clean chromium
 
-install: $(STAMP) $(TINY_DIR)/model_index.json
+install: $(STAMP) $(TINY_DIR)/model_index.json chromium
+
+chromium:
+ifeq ($(CHROMIUM),)
+	export DEBIAN_FRONTEND=noninteractive; $(SUDO) apt-get install -y -q chromium \
+		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+endif
 
 $(STAMP): pyproject.toml Makefile tools/guard_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -14,13 +14,14 @@ import contextlib
 import json
 import logging
 import math
+import pathlib
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import UploadFile
@@ -42,10 +43,11 @@ from omni_ray.protocol import (
     json_bytes,
     load_input_image,
     parse_request,
+    partial_image_event,
     plan_request,
     progress_event,
 )
-from omni_ray.request_path import Failed, ImageDone, Progress, RequestEvent, collect, run_request
+from omni_ray.request_path import Failed, ImageDone, Preview, Progress, RequestEvent, collect, run_request
 from omni_ray.stages.decode import Decoded, OutputMode
 from omni_ray.stages.encode import PromptTokenizer, template_for
 
@@ -183,6 +185,23 @@ async def _edit_form(request: Request, limit: int) -> tuple[dict[str, str], byte
     return fields, images[0] if images else None
 
 
+WEB = pathlib.Path(__file__).resolve().parent / "web"
+WEB_FILES = {name: (kind, (WEB / name).read_bytes())
+             for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css"))}
+
+
+def page_html(config: PipelineConfig) -> str:
+    """index.html with what the page needs of the preset: its name, mode, default size and steps, and sizes to offer."""
+    limits = config.requests
+    default = f"{limits.default_width}x{limits.default_height}"
+    squares = [f"{side}x{side}" for side in (64, 128, 256, 512, 1024, 1328)
+               if limits.min_side <= side <= limits.max_side]
+    settings = {"model": config.name, "edit": config.edit is not None, "default_size": default,
+                "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares]))}
+    # "</" cannot end the script element early: JSON allows "<\/" for "</".
+    return (WEB / "index.html").read_text().replace("__SETTINGS__", json.dumps(settings).replace("</", "<\\/"))
+
+
 async def _encode_file(result: Decoded, request: ImageGenerationRequest) -> bytes:
     """The image file of one result, encoded on a thread (a 1328x1328 PNG takes 200-400 ms)."""
     return await asyncio.to_thread(encode_image, result.pixels, request.output_format, request.output_compression)
@@ -197,6 +216,7 @@ class Coordinator:
         self.stages = ServeStages(encoder, dit, vae)
         self.config = config
         self.adapters = dict(config.loras)  # LoRA adapter name -> file: the preset's, then those loaded at run time
+        self.page_html = page_html(config)
         self.tokenizer = PromptTokenizer(config.model, template_for(config))
         self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
         try:  # Serve runs the constructor on the event loop that serves the requests: the one to watch
@@ -233,6 +253,17 @@ class Coordinator:
                                      headers=headers)
         body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
         return Response(body, media_type="application/json", headers=headers)
+
+    @api.get("/", response_class=HTMLResponse)
+    async def page(self) -> HTMLResponse:
+        """The try-it page: a form over the images API with live previews (deployments/web)."""
+        return HTMLResponse(self.page_html)
+
+    @api.get("/web/{name}")
+    async def web_file(self, name: str) -> Response:
+        if name not in WEB_FILES:
+            raise NotFoundError(f"no such file: {name}", param=None, code=None)
+        return Response(WEB_FILES[name][1], media_type=WEB_FILES[name][0], headers={"Cache-Control": "no-cache"})
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -338,13 +369,17 @@ class Coordinator:
         request = plan.request
         files = await asyncio.gather(*(_encode_file(result, request) for result in results))
         stats = [image_stats(result.timings, result.dit_passes) for result in results]
-        return await asyncio.to_thread(images_response, files, request, plan.height, plan.width, stats)
+        return await asyncio.to_thread(images_response, files, plan, stats)
 
     async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
-        """Progress after every denoising step of each image, each image as it is done, or one error event."""
+        """Progress after every denoising step of each image, its previews, each image as it is done, or one error
+        event."""
         async for event in self.events(plan, request_id):
             if isinstance(event, Progress):
                 yield progress_event(plan, event.index, event.step, event.total)
+            elif isinstance(event, Preview):
+                data = await _encode_file(event.result, plan.request)
+                yield await asyncio.to_thread(partial_image_event, plan, event.index, event.partial_index, data)
             elif isinstance(event, ImageDone):
                 data = await _encode_file(event.result, plan.request)
                 result = event.result

@@ -225,12 +225,26 @@ class EditConfig(_Frozen):
         return 4 * self.image_area
 
 
+class QualitySteps(_Frozen):
+    """Denoising steps for OpenAI's `quality` levels (`auto` takes `default_steps`)."""
+
+    low: PositiveInt = Field(20, description="Steps for quality=low.")
+    medium: PositiveInt = Field(30, description="Steps for quality=medium.")
+    high: PositiveInt = Field(50, description="Steps for quality=high: Qwen-Image's published default.")
+
+
 class RequestLimits(_Frozen):
     """What requests may ask of this preset, and what they get when they do not say."""
 
     default_width: PositiveInt = Field(1328, description="Image width when a request gives no size.")
     default_height: PositiveInt = Field(1328, description="Image height when a request gives no size.")
-    default_steps: PositiveInt = Field(50, description="Denoising steps when a request gives none.")
+    default_steps: PositiveInt = Field(
+        50, description="Denoising steps when a request gives neither steps nor quality."
+    )
+    quality_steps: QualitySteps = Field(
+        default_factory=QualitySteps, description="Steps for each of OpenAI's quality levels; a request's "
+        "num_inference_steps wins over its quality.",
+    )
     min_side: PositiveInt = Field(256, description="Smallest image side a request may ask for, in pixels.")
     max_side: PositiveInt = Field(2048, description="Largest image side a request may ask for, in pixels.")
     timeout_s: float = Field(

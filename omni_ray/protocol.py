@@ -59,8 +59,22 @@ class ImageGenerationRequest(BaseModel):
         None, description="DiT cache acceleration for this request ({'kind': 'first_block' or 'teacache', "
         "'threshold': x}), or null for none; omitted, the preset's. Requests with and without it share step batches."
     )
-    partial_images: int = Field(0, ge=0, le=3, description="OpenAI's preview count while streaming; must be 0 here.")
+    partial_images: int = Field(
+        0, ge=0, le=3, description="Previews per image while streaming: the clean image the DiT predicts at steps "
+        "spread over the run, each sent as a partial_image event before the image."
+    )
+    quality: Literal["low", "medium", "high", "auto"] = Field(
+        "auto", description="OpenAI's quality: steps as the preset maps them (requests.quality_steps); auto takes "
+        "the preset's default_steps. num_inference_steps, when given, wins."
+    )
+    background: Literal["auto", "opaque", "transparent"] = Field(
+        "auto", description="OpenAI's background: the images are opaque; transparent is refused."
+    )
+    moderation: Literal["auto", "low"] = Field("auto", description="OpenAI's moderation level; accepted, no "
+                                                "moderation model runs here.")
+    style: str | None = Field(None, description="dall-e-3's style; refused (Qwen-Image has no style setting).")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    safety_identifier: str | None = Field(None, description="OpenAI's successor to `user`; accepted and ignored.")
 
     @field_validator("true_cfg_scale", "lora_scale", mode="before")
     @classmethod
@@ -112,6 +126,7 @@ class GenerationPlan:
     seed: int  # image i uses seed + i
     cache: CacheSettings | None = None  # the request's, or the preset's default
     lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
+    quality: str = "auto"  # OpenAI's quality level the steps came from ("auto": steps given or the default)
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
 
     @property
@@ -147,21 +162,31 @@ def plan_request(
                     f"{config.encoder.max_model_len}",
                     param=field,
                 )
-    if request.partial_images:
-        raise RequestError("partial_images: previews are not supported; stream progress events instead (use 0)",
-                           param="partial_images")
+    if request.background == "transparent":
+        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque", param="background")
+    if request.style is not None:
+        raise RequestError("style: a dall-e-3 setting that Qwen-Image does not have; describe the style in the "
+                           "prompt", param="style")
     if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
         raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
     return GenerationPlan(
         request=request,
         height=height,
         width=width,
-        num_inference_steps=request.num_inference_steps or config.requests.default_steps,
+        num_inference_steps=request.num_inference_steps or quality_steps(request.quality, config),
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
         cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
         lora=lora,
+        quality=request.quality if request.num_inference_steps is None else "auto",
         image=image,
     )
+
+
+def quality_steps(quality: str, config: PipelineConfig) -> int:
+    """The steps of an OpenAI quality level: the preset's mapping, or its default steps for ``auto``."""
+    if quality == "auto":
+        return config.requests.default_steps
+    return getattr(config.requests.quality_steps, quality)
 
 
 def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, str]
@@ -332,16 +357,27 @@ def progress_event(plan: GenerationPlan, index: int, step: int, total_steps: int
 def completed_event(plan: GenerationPlan, index: int, data: bytes, stats: dict | None = None) -> dict:
     """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed`` (and
     ``image_edit.completed`` for edits); with ``stats`` (``image_stats``'), the image's times and DiT passes."""
-    request, height, width = plan.request, plan.height, plan.width
     event = {
         "type": f"{plan.event_prefix}.completed",
         "index": index,
         "b64_json": b64encode(data),
         "created_at": int(time.time()),
-        "size": f"{width}x{height}",
-        "output_format": request.output_format,
+        **output_fields(plan),
     }
     return {**event, **(stats or {})}
+
+
+def partial_image_event(plan: GenerationPlan, index: int, partial_index: int, data: bytes) -> dict:
+    """A streamed preview of image ``index``, after OpenAI's ``image_generation.partial_image`` (and
+    ``image_edit.partial_image`` for edits)."""
+    return {
+        "type": f"{plan.event_prefix}.partial_image",
+        "index": index,
+        "partial_image_index": partial_index,
+        "b64_json": b64encode(data),
+        "created_at": int(time.time()),
+        **output_fields(plan),
+    }
 
 
 QUEUED = "_queued"  # a timing's suffix: the part of a stage's time the request waited before its first step
@@ -357,20 +393,19 @@ def image_stats(timings: dict[str, float], dit_passes: dict[str, int]) -> dict:
             "dit_passes": dit_passes}
 
 
-def images_response(
-    files: list[bytes],
-    request: ImageGenerationRequest,
-    height: int,
-    width: int,
-    stats: list[dict] | None = None,
-) -> dict:
-    """OpenAI's images response body; with ``request.timings``, each image's ``image_stats``."""
+def images_response(files: list[bytes], plan: GenerationPlan, stats: list[dict] | None = None) -> dict:
+    """OpenAI's images response body; with ``timings``, each image's ``image_stats``."""
     data = [{"b64_json": b64encode(file)} for file in files]
-    if request.timings and stats is not None:
+    if plan.request.timings and stats is not None:
         for item, image in zip(data, stats):
             item.update(image)
-    return {"created": int(time.time()), "data": data, "output_format": request.output_format,
-            "size": f"{width}x{height}"}
+    return {"created": int(time.time()), "data": data, **output_fields(plan)}
+
+
+def output_fields(plan: GenerationPlan) -> dict:
+    """What OpenAI's responses and completed events say of the images besides the images themselves."""
+    return {"size": f"{plan.width}x{plan.height}", "quality": plan.quality, "background": "opaque",
+            "output_format": plan.request.output_format}
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:

@@ -26,3 +26,41 @@ def test_json_with_spliced_images_equals_json_dumps():
     event = {"type": "image_generation.completed", "index": 1, "b64_json": images[1], "size": "64x64"}
     for body in (response, event, {"type": "image_generation.progress", "step": 3}, {"data": []}):
         assert json_bytes(body) == json.dumps(body).encode()
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tiny_dir):
+    from conftest import REPO
+    from omni_ray.config import load_config
+
+    return load_config(REPO / "stage_configs" / "qwen_image_tiny.yaml", model=str(tiny_dir))
+
+
+def test_openai_image_parameters_map_or_are_refused_naming_the_field(tiny_config):
+    from omni_ray.errors import NotFoundError, RequestError
+    from omni_ray.protocol import images_response, plan_request
+
+    def plan(**fields):
+        return plan_request({"prompt": "a cat", **fields}, tiny_config)
+
+    levels = tiny_config.requests.quality_steps
+    assert [plan(quality=q).num_inference_steps for q in ("low", "medium", "high")] == \
+        [levels.low, levels.medium, levels.high]
+    assert plan(quality="auto").num_inference_steps == plan().num_inference_steps == tiny_config.requests.default_steps
+    assert plan(quality="low", num_inference_steps=3).num_inference_steps == 3  # steps win
+    auto = plan(size="auto")
+    assert (auto.height, auto.width) == (tiny_config.requests.default_height, tiny_config.requests.default_width)
+    for fields in ({"background": "auto"}, {"background": "opaque"}, {"moderation": "low"}, {"moderation": "auto"},
+                   {"user": "someone"}, {"model": "qwen-image-tiny"}):
+        plan(**fields)
+    for fields, param in (({"background": "transparent"}, "background"), ({"style": "vivid"}, "style"),
+                          ({"quality": "hd"}, "quality"), ({"moderation": "strict"}, "moderation")):
+        with pytest.raises(RequestError) as info:
+            plan(**fields)
+        assert info.value.param == param and info.value.status_code == 400
+    with pytest.raises(NotFoundError) as info:
+        plan(model="dall-e-3")
+    assert (info.value.param, info.value.code, info.value.status_code) == ("model", "model_not_found", 404)
+    response = images_response([b"png"], plan(quality="low", size="64x32", output_format="webp"))
+    assert {k: response[k] for k in ("size", "quality", "background", "output_format")} == \
+        {"size": "64x32", "quality": "low", "background": "opaque", "output_format": "webp"}

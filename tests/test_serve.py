@@ -154,6 +154,83 @@ def test_openai_client(served, reference):
     assert info.value.param == "size"
 
 
+def test_openai_image_parameters_through_the_openai_client(served):
+    """Issue 17: quality maps to the preset's steps, size=auto takes its default, background, moderation and user are
+    accepted and reported as OpenAI reports them; transparent backgrounds and styles are 400s naming the field, and an
+    unknown model a 404 with code model_not_found."""
+    import openai
+
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    result = client.images.generate(model="qwen-image-tiny", prompt="a red cat", size="auto", quality="low",
+                                    background="opaque", moderation="low", user="u-1", output_format="webp",
+                                    extra_body={"timings": True})
+    assert (result.size, result.quality, result.background, result.output_format) == ("256x256", "low", "opaque",
+                                                                                      "webp")
+    assert result.data[0].model_extra["dit_passes"]["computed"] == 2  # quality=low: the tiny preset's 2 steps
+    assert client.images.generate(prompt="a cat", size="64x64", background="auto", moderation="auto",
+                                  quality="auto", safety_identifier="s-1").quality == "auto"
+    for param, fields in (("background", {"background": "transparent"}), ("style", {"style": "vivid"}),
+                          ("quality", {"quality": "hd"})):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.images.generate(prompt="a cat", size="64x64", **fields)
+        assert info.value.param == param
+    with pytest.raises(openai.NotFoundError) as info:
+        client.images.generate(model="dall-e-3", prompt="a cat", size="64x64")
+    assert (info.value.param, info.value.code) == ("model", "model_not_found")
+
+
+def test_openai_client_streams_partial_images_then_the_image(served):
+    """Issue 17: stream=True, partial_images=2 through the official client: two partial images (the DiT's predicted
+    clean image, decoded) and then the image, equal to the same request not streamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    fields = {"prompt": "a red cat", "size": "64x64", "extra_body": {"seed": 9, "num_inference_steps": 4}}
+    events = list(client.images.generate(**fields, stream=True, partial_images=2))
+    kinds = [(e.type, getattr(e, "partial_image_index", None)) for e in events if not e.type.endswith("progress")]
+    assert kinds == [("image_generation.partial_image", 0), ("image_generation.partial_image", 1),
+                     ("image_generation.completed", None)]
+    previews = [png(e.b64_json) for e in events if e.type == "image_generation.partial_image"]
+    final = png(events[-1].b64_json)
+    assert all(p.shape == final.shape == (64, 64, 3) for p in previews)
+    # Within one level, as every streamed image here: the two runs may batch differently in the stages.
+    assert within_one_level(final, png(client.images.generate(**fields).data[0].b64_json))
+
+
+def test_the_page_generates_with_progress_and_previews_and_names_a_bad_field(served, tmp_path):
+    """Issue 17, in a real headless Chromium: type a prompt and press Enter; the progress bar advances, previews
+    appear, then an image of the chosen size with a download link. A bad size shows its error beside the size field.
+    At a phone's width nothing overflows."""
+    from browser import WATCH, browser_page, fits_a_phone, result_size
+
+    with browser_page() as page:
+        page.goto(served["base"] + "/")
+        assert "qwen-image-tiny" in page.text_content("#model")
+        page.fill("#size", "96x64")
+        page.fill("#num_inference_steps", "6")
+        page.fill("#seed", "5")
+        page.fill("#prompt", "a lighthouse on a cliff at sunset")
+        page.evaluate(WATCH)
+        page.press("#prompt", "Enter")
+        assert result_size(page) == (96, 64)
+        seen = page.evaluate("window.seen")
+        assert any(0 < value < total for value, total in seen["progress"]), seen["progress"]
+        assert seen["previews"] >= 1
+        assert page.get_attribute(".card a[download]", "href").startswith("data:image/png;base64,")
+        page.screenshot(path=tmp_path / "page-generate.png", full_page=True)
+
+        page.fill("#size", "65x64")
+        page.click("#generate")
+        page.wait_for_selector('[data-error-for="size"]:not(:empty)')
+        assert "multiple of 16" in page.text_content('[data-error-for="size"]')
+        assert page.text_content('[data-error-for="prompt"]') == ""
+        page.screenshot(path=tmp_path / "page-error.png", full_page=True)
+    with browser_page(390, 844) as phone:
+        phone.goto(served["base"] + "/")
+        assert fits_a_phone(phone)
+        phone.screenshot(path=tmp_path / "page-phone.png", full_page=True)
+
+
 def test_python_client_through_ray_and_http(served, reference):
     from omni_ray.client import Client
     from omni_ray.errors import RequestError
@@ -280,6 +357,21 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_never_reach_a_stage(served)
         assert response["error"]["message"] and response["error"]["type"] == "invalid_request_error"
     after = stage_stats(served)
     assert {k: v["requests"] for k, v in after.items()} == {k: v["requests"] for k, v in before.items()}
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported(served):
+    """k8s/grafana-omni-ray.json (issue 17): each series a panel queries is in a scrape of this cluster, once the
+    tests before this one have served images, LoRA adapters and bad requests."""
+    import re
+
+    dashboard = json.loads((REPO / "k8s" / "grafana-omni-ray.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"ray_omni_\w+", target["expr"])}
+    assert len(queried) >= 10
+    deadline = time.monotonic() + 30
+    while missing := queried - {name for name, _ in scrape(served["metrics"])}:
+        assert time.monotonic() < deadline, missing
+        time.sleep(1)
 
 
 def disconnect_after(served, body, seconds) -> int | None:

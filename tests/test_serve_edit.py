@@ -44,6 +44,29 @@ def post_edit(served, fields: dict, files: list | None, **kwargs) -> requests.Re
     return requests.post(served["base"] + "/v1/images/edits", data=fields, files=files, timeout=300, **kwargs)
 
 
+def test_the_page_edits_an_uploaded_image(served, tmp_path):
+    """Issue 17, in a real headless Chromium on the edit preset: upload a file (its preview shows), type a prompt,
+    press Generate, and get the edited image at the upload's working size."""
+    from browser import WATCH, browser_page, result_size
+
+    (tmp_path / "photo.png").write_bytes(file_bytes(source_image(180, 100, seed=4)))
+    with browser_page() as page:
+        page.goto(served["base"] + "/")
+        assert page.is_visible("#image")
+        page.fill("#prompt", "make the disc blue")
+        page.click("#generate")  # no image yet: the error is beside the upload
+        page.wait_for_selector('[data-error-for="image"]:not(:empty)')
+        page.set_input_files("#image", str(tmp_path / "photo.png"))
+        assert page.is_visible("#image-preview")
+        page.fill("#num_inference_steps", "4")
+        page.evaluate(WATCH)
+        page.click("#generate")
+        assert result_size(page) == (160, 96)  # 128x128 pixels at 9:5, as the API answers
+        assert page.text_content('[data-error-for="image"]') == ""
+        assert page.evaluate("window.seen")["previews"] >= 1
+        page.screenshot(path=tmp_path / "page-edit.png", full_page=True)
+
+
 def test_openai_client_edits_an_image(served, reference, image_area):
     import openai
 

@@ -1,0 +1,160 @@
+// The try-it page: a form over the images API, streamed with live previews. No framework, no build step.
+"use strict";
+
+const settings = JSON.parse(document.getElementById("settings").textContent);
+const form = document.getElementById("form");
+const button = document.getElementById("generate");
+const results = document.getElementById("results");
+const PARTIAL_IMAGES = 2;
+
+document.body.classList.toggle("edit", settings.edit);
+document.getElementById("model").textContent =
+  `${settings.model}: ${settings.edit ? "image editing" : "text to image"}, ` +
+  `${settings.default_size} and ${settings.default_steps} steps by default`;
+document.getElementById("size").placeholder = settings.edit ? "from the image" : settings.default_size;
+document.getElementById("num_inference_steps").placeholder = String(settings.default_steps);
+for (const size of settings.sizes) {
+  const option = document.createElement("option");
+  option.value = size;
+  document.getElementById("sizes").append(option);
+}
+
+const imageInput = document.getElementById("image");
+imageInput.addEventListener("change", () => {
+  const preview = document.getElementById("image-preview");
+  const file = imageInput.files[0];
+  preview.hidden = !file;
+  if (file) preview.src = URL.createObjectURL(file);
+});
+
+document.getElementById("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {  // Shift+Enter still starts a new line
+    event.preventDefault();
+    form.requestSubmit();
+  }
+});
+
+form.addEventListener("submit", async (event) => {
+  event.preventDefault();
+  clearErrors();
+  button.disabled = true;
+  try {
+    await generate(fields());
+  } catch (error) {
+    showError("", `The request failed: ${error.message}`);
+  } finally {
+    button.disabled = false;
+  }
+});
+
+function fields() {
+  const body = { stream: true, partial_images: PARTIAL_IMAGES, response_format: "b64_json" };
+  for (const name of ["prompt", "negative_prompt", "size", "num_inference_steps", "true_cfg_scale", "seed", "n"]) {
+    const value = document.getElementById(name).value.trim();
+    if (value === "") continue;
+    const numeric = ["num_inference_steps", "seed", "n"].includes(name) ? parseInt(value, 10)
+      : name === "true_cfg_scale" ? parseFloat(value) : value;
+    body[name] = Number.isNaN(numeric) ? value : numeric;  // the server names what is wrong
+  }
+  return body;
+}
+
+async function generate(body) {
+  let response;
+  if (settings.edit) {
+    const data = new FormData();
+    if (imageInput.files[0]) data.append("image", imageInput.files[0]);
+    for (const [name, value] of Object.entries(body)) data.append(name, String(value));
+    response = await fetch("/v1/images/edits", { method: "POST", body: data });
+  } else {
+    response = await fetch("/v1/images/generations", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+    });
+  }
+  if (!response.ok) {
+    const error = (await response.json().catch(() => null))?.error;
+    showError(error?.param ?? "", error?.message ?? `HTTP ${response.status}`);
+    return;
+  }
+  results.replaceChildren();
+  const cards = Array.from({ length: body.n ?? 1 }, (_, index) => card(index, body));
+  await readEvents(response, (event) => {
+    if (event.type === "error") {
+      showError(event.error?.param ?? "", event.error?.message ?? "the request failed");
+      return;
+    }
+    const view = cards[event.index];
+    if (event.type.endsWith(".progress")) {
+      view.progress.max = event.total_steps;
+      view.progress.value = event.step;
+      view.status.textContent = `step ${event.step} of ${event.total_steps}`;
+    } else if (event.type.endsWith(".partial_image")) {
+      view.image.src = `data:image/${event.output_format};base64,${event.b64_json}`;
+      view.image.className = "preview";
+      view.image.hidden = false;
+      view.status.textContent = `preview ${event.partial_image_index + 1} of ${PARTIAL_IMAGES}`;
+    } else if (event.type.endsWith(".completed")) {
+      const url = `data:image/${event.output_format};base64,${event.b64_json}`;
+      view.image.src = url;
+      view.image.className = "result";
+      view.image.hidden = false;
+      view.progress.value = view.progress.max;
+      view.download.href = url;
+      view.download.hidden = false;
+      view.status.textContent = `done, ${event.size}`;
+    }
+  });
+}
+
+function card(index, body) {
+  const element = document.createElement("article");
+  element.className = "card";
+  element.dataset.index = String(index);
+  const progress = document.createElement("progress");
+  progress.max = body.num_inference_steps ?? settings.default_steps;
+  progress.value = 0;
+  const status = document.createElement("span");
+  status.className = "status";
+  status.textContent = "waiting";
+  const image = document.createElement("img");
+  image.alt = `image ${index + 1}`;
+  image.hidden = true;
+  const download = document.createElement("a");
+  download.textContent = "Download";
+  download.download = `omni-ray-${body.seed ?? "random"}-${index}.png`;
+  download.hidden = true;
+  element.append(progress, status, image, download);
+  results.append(element);
+  return { progress, status, image, download };
+}
+
+async function readEvents(response, onEvent) {
+  // Server-sent events: "data: {json}" blocks separated by a blank line.
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = block.split("\n").filter((line) => line.startsWith("data: ")).map((line) => line.slice(6)).join("");
+      if (data && data !== "[DONE]") onEvent(JSON.parse(data));
+    }
+  }
+}
+
+function showError(param, message) {
+  const field = document.querySelector(`[data-field="${param}"]`);
+  const slot = field?.querySelector(".error") ?? document.getElementById("error");
+  field?.classList.add("invalid");
+  slot.textContent = message;
+}
+
+function clearErrors() {
+  for (const slot of document.querySelectorAll(".error")) slot.textContent = "";
+  for (const field of document.querySelectorAll(".invalid")) field.classList.remove("invalid");
+}
