@@ -165,7 +165,7 @@ def test_async_driver_batches_concurrent_callers_and_reports_progress(runner, re
 
     async def main():
         return await asyncio.gather(
-            *(engine.generate(r, lambda done, total, rid=r.request_id: progress[rid].append((done, total)))
+            *(engine.generate(r, lambda done, total, preview, rid=r.request_id: progress[rid].append((done, total)))
               for r in requests)
         )
 
@@ -187,7 +187,7 @@ def test_cancelling_the_caller_aborts_the_request(runner, requests):
 
     async def main():
         steps = []
-        task = asyncio.create_task(engine.generate(long, lambda done, total: steps.append(done)))
+        task = asyncio.create_task(engine.generate(long, lambda done, total, preview: steps.append(done)))
         while len(steps) < 2:
             await asyncio.sleep(0.01)
         task.cancel()
