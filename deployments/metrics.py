@@ -15,7 +15,8 @@ queue_length = metrics.Gauge(
     tag_keys=("stage",),
 )
 running_batch_size = metrics.Gauge(
-    "omni_running_batch_size", description="Requests the stage engine's last step advanced or finished.",
+    "omni_running_batch_size", description="Requests the stage engine's last step advanced or finished; 0 once it "
+    "has not stepped for a second.",
     tag_keys=("stage",),
 )
 step_latency = metrics.Histogram(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -40,14 +41,26 @@ class _EngineShim:
 
     def __init__(self, build_core):
         self.tags = {"stage": self.stage}
+        self.last_step_at = 0.0  # monotonic
         self.engine = AsyncEngine(build_core, self.stage, on_step=self._record_step).start()
         logger.info("%s engine started", self.stage)
+        threading.Thread(target=self._keep_gauges_fresh, name=f"omni-ray-{self.stage}-gauges", daemon=True).start()
         freeze_startup_heap()
 
     def _record_step(self, seconds: float, batch: int, held: int) -> None:
+        self.last_step_at = time.monotonic()
         metrics.step_latency.observe(seconds, tags=self.tags)
         metrics.running_batch_size.set(batch, tags=self.tags)
         metrics.queue_length.set(held, tags=self.tags)
+
+    def _keep_gauges_fresh(self, period_s: float = 1.0) -> None:
+        """Ray 2.60 exports a gauge for about two seconds after it was set: an idle stage would read "no data" on a
+        dashboard. Once a second without a step, this sets what the stage holds and 0 for the batch."""
+        while True:
+            time.sleep(period_s)
+            if time.monotonic() - self.last_step_at >= period_s:
+                metrics.running_batch_size.set(0, tags=self.tags)
+                metrics.queue_length.set(self.engine.num_running, tags=self.tags)
 
     async def _run(self, request, what: str, timings: dict[str, float], timing: str = ""):
         """Runs one request in this engine: timed (into the result's ``timings``, as ``timing`` or the stage's

@@ -361,13 +361,15 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_never_reach_a_stage(served)
 
 def test_every_metric_the_grafana_dashboard_queries_is_exported(served):
     """k8s/grafana-omni-ray.json (issue 17): each series a panel queries is in a scrape of this cluster, once the
-    tests before this one have served images, LoRA adapters and bad requests."""
+    tests before this one have served images, LoRA adapters and bad requests. The gauges too, seconds after the last
+    step: the stages keep them fresh (Ray exports a gauge for about two seconds after it was set)."""
     import re
 
     dashboard = json.loads((REPO / "k8s" / "grafana-omni-ray.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"ray_omni_\w+", target["expr"])}
     assert len(queried) >= 10
+    time.sleep(5)
     deadline = time.monotonic() + 30
     while missing := queried - {name for name, _ in scrape(served["metrics"])}:
         assert time.monotonic() < deadline, missing
@@ -467,9 +469,21 @@ def test_prometheus_metrics_per_stage(served):
         assert delta(samples, "ray_omni_stage_request_latency_seconds_count", stage=stage) == calls, stage
         assert delta(samples, "ray_omni_step_latency_seconds_count", stage=stage) >= 1, stage
         assert ("ray_omni_queue_length" in {n for n, _ in samples}), stage
-    # The DiT ran 3 steps per request: at least 3 steps, and the batch gauge is within the preset's limit.
+    # The DiT ran 3 steps per request: at least 3 steps. While a request denoises, the batch gauge counts it (within
+    # the preset's limit); a second after its last step, it reads 0 and the queue length is still exported.
     assert delta(samples, "ray_omni_step_latency_seconds_count", stage="dit") >= 3
-    assert 1 <= total(samples, "ray_omni_running_batch_size", stage="dit") <= 8
+    long = {"prompt": "a slow cat", "size": "64x64", "seed": 5, "num_inference_steps": 60}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(post, served["base"] + "/v1/images/generations", long)
+        busy = settled(lambda s: total(s, "ray_omni_running_batch_size", stage="dit") >= 1)
+        assert total(busy, "ray_omni_running_batch_size", stage="dit") <= 8
+        assert running.result()[0] == 200
+    def exported(samples, name):
+        return any(n == name and 'stage="dit"' in labels for n, labels in samples)
+
+    idle = settled(lambda s: exported(s, "ray_omni_running_batch_size")
+                   and total(s, "ray_omni_running_batch_size", stage="dit") == 0)
+    assert exported(idle, "ray_omni_queue_length") and total(idle, "ray_omni_queue_length", stage="dit") == 0
     # The coordinator watches its event loop (a sample every 50 ms) and counts its process's CPU time.
     samples = settled(lambda s: total(s, "ray_omni_event_loop_stall_seconds_count", stage="coordinator") >= 10
                       and total(s, "ray_omni_process_cpu_seconds_total", stage="coordinator") > 0)
