@@ -57,7 +57,7 @@ def test_the_page_edits_an_uploaded_image(served, tmp_path):
         page.click("#generate")  # no image yet: the error is beside the upload
         page.wait_for_selector('[data-error-for="image"]:not(:empty)')
         page.set_input_files("#image", str(tmp_path / "photo.png"))
-        assert page.is_visible("#image-preview")
+        page.wait_for_selector("#image-preview", state="visible")  # once the browser has decoded the file
         page.fill("#num_inference_steps", "4")
         page.evaluate(WATCH)
         page.click("#generate")
