@@ -12,9 +12,11 @@ Metrics are exported for Prometheus at ``served.metrics_url``. The head runs wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -100,7 +102,30 @@ class LocalServe:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        self._stop_cluster()
+
+    def _stop_cluster(self) -> None:
+        """Kills this cluster's processes, as ``ray stop --force`` would, but only this cluster's: that command kills
+        every Ray process of the machine, another test run's or benchmark's cluster too."""
+        processes = self._cluster_processes()
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(processes, timeout=30)
+
+    def _cluster_processes(self) -> list[psutil.Process]:
+        """The processes naming this cluster's GCS port or its session directory (the head's and the worker
+        raylets', GCS, monitors, agents), and all their children (the workers and replicas)."""
+        listed = [(p, " ".join(p.info["cmdline"] or [])) for p in psutil.process_iter(["cmdline"])]
+        ports = (f":{self.gcs_port} ", f":{self.gcs_port}\n", f"={self.gcs_port} ")
+        named = {p.pid: cmd for p, cmd in listed if any(mark in cmd + "\n" for mark in ports)}
+        sessions = {m.group(0) for cmd in named.values() if (m := re.search(r"/session_[\w.-]+", cmd))}
+        own = {p.pid: p for p, cmd in listed if p.pid in named or any(s in cmd for s in sessions)}
+        for process in list(own.values()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                own.update({child.pid: child for child in process.children(recursive=True)})
+        own.pop(os.getpid(), None)
+        return list(own.values())
 
     def store_bytes(self) -> int:
         """Bytes in the cluster's object store that requests can account for: what Serve's controller keeps of

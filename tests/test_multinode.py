@@ -3,7 +3,10 @@ resource), each stage pinned to its own node by the preset: the app serves diffu
 latents passed by reference from node to node."""
 
 import pathlib
+import subprocess
+import sys
 
+import psutil
 import pytest
 import yaml
 
@@ -28,10 +31,20 @@ def three_nodes(tiny_dir, tmp_path_factory):
     config["applications"][0]["args"]["stage_config"] = str(workdir / "preset.yaml")
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     # The head holds the encoder (and the coordinator, which needs no resource); a worker each the DiT and the VAE.
-    with LocalServe(workdir / "config.yaml", model=str(tiny_dir), num_cpus=2,
-                    head_resources={PINS["encoder"]: 1},
-                    workers=[{PINS["dit"]: 1}, {PINS["vae"]: 1}]) as local:
-        yield {"base": local.base_url, "address": local.address}
+    # A process that looks like another cluster's raylet: stopping this cluster must leave it running (`ray stop`
+    # would not).
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "--gcs-address=127.0.0.1:1",
+                              "--session_dir=/tmp/ray/session_another_cluster"])
+    try:
+        with LocalServe(workdir / "config.yaml", model=str(tiny_dir), num_cpus=2,
+                        head_resources={PINS["encoder"]: 1},
+                        workers=[{PINS["dit"]: 1}, {PINS["vae"]: 1}]) as local:
+            yield {"base": local.base_url, "address": local.address, "local": local}
+            own = local._cluster_processes()
+        assert not [p for p in own if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "left running"
+        assert other.poll() is None, "another cluster's process was stopped"
+    finally:
+        other.kill()
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +77,13 @@ def test_each_stage_runs_on_its_own_node_and_the_image_equals_diffusers(three_no
         ray.shutdown()
     assert nodes == {"Encoder": by_resource[PINS["encoder"]], "DiT": by_resource[PINS["dit"]],
                      "VAE": by_resource[PINS["vae"]]}
+
+
+def test_the_cluster_knows_its_own_processes(three_nodes):
+    """What LocalServe stops at exit (the fixture checks that they are gone, and another cluster's process is not)."""
+    local = three_nodes["local"]
+    own = local._cluster_processes()
+    commands = [" ".join(p.cmdline()) for p in own]
+    assert sum("/raylet " in command.split("--")[0] + " " for command in commands) == 3  # the head's and 2 workers'
+    assert set(local.replica_pids().values()) <= {p.pid for p in own}
+    assert not any("session_another_cluster" in command for command in commands)
