@@ -12,23 +12,30 @@ Reported: images per second over the measured window (after ``--warmup`` s; requ
 not counted), latency p50/p95/p99 of the requests that finished in it, each stage's time queued before its first
 step (mean and p95, from the responses' ``queued_ms``), errors by status; with ``--metrics-url`` (the cluster's
 Prometheus endpoint) also the coordinator's CPU ms per image and its longest event-loop stall over the window (Ray
-exports metrics every 10 s by default; a window of minutes makes the lag small). JSON (``--out``) and a plot beside
-it.
+exports metrics every 10 s by default; a window of minutes makes the lag small), and apart from the stalls the
+longest its loop's thread waited for a CPU held by other processes; beside them, the same watch in an idle process
+of its own over the window (``idle_process_event_loop``): what the machine alone does to an event loop. JSON
+(``--out``) and a plot beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import pathlib
 import random
 import statistics
+import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 
 HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
 RESULTS = HERE / "results"
 
 SIZES = ["512x512", "768x768", "1024x1024", "1328x1328", "1328x800", "800x1328", "1024x768", "768x1024"]
@@ -155,29 +162,44 @@ def total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, l), v in samples.items() if n == name and all(w in l for w in wanted))
 
 
-def coordinator_figures(before: dict, after: dict, images: int) -> dict:
-    """The coordinator's CPU ms per image and its longest event-loop stall (as the histogram's bucket bound that
-    holds every sample), from two scrapes."""
+def _histogram(before: dict, after: dict, name: str) -> dict[float, float]:
+    """The coordinator's samples of one histogram between two scrapes, as {bucket bound: count at or below it}."""
     def buckets(samples: dict) -> dict[float, float]:
         counts: dict[float, float] = {}
-        for (name, labels), value in samples.items():
-            if name == "ray_omni_event_loop_stall_seconds_bucket" and 'stage="coordinator"' in labels:
+        for (metric, labels), value in samples.items():
+            if metric == f"{name}_bucket" and 'stage="coordinator"' in labels:
                 bound = float(labels.split('le="')[1].split('"')[0])  # "+Inf" parses
                 counts[bound] = counts.get(bound, 0.0) + value
         return counts
 
     now, then = buckets(after), buckets(before)
-    counts = {bound: count - then.get(bound, 0.0) for bound, count in now.items()}
+    return {bound: count - then.get(bound, 0.0) for bound, count in now.items()}
+
+
+def _longest(counts: dict[float, float]) -> tuple[int, float | None, int | None]:
+    """Samples, the bucket bound that holds them all in ms (None past the top bound), and how many passed 20 ms."""
     samples = counts.get(float("inf"), 0.0)
-    longest = min((bound for bound, count in counts.items() if count >= samples), default=None) if samples else None
+    if not samples:
+        return 0, None, None
+    longest = min(bound for bound, count in counts.items() if count >= samples)
+    return int(samples), None if longest == float("inf") else 1000 * longest, int(samples - counts.get(0.02, 0.0))
+
+
+def coordinator_figures(before: dict, after: dict, images: int) -> dict:
+    """The coordinator's CPU ms per image, its longest event-loop stall, and apart from it the longest its loop's
+    thread waited for a CPU (both as the histogram's bucket bound that holds every sample), from two scrapes."""
+    samples, stall_ms, stalls = _longest(_histogram(before, after, "ray_omni_event_loop_stall_seconds"))
+    _, wait_ms, waits = _longest(_histogram(before, after, "ray_omni_event_loop_cpu_wait_seconds"))
     cpu = total(after, "ray_omni_process_cpu_seconds_total", stage="coordinator") - total(
         before, "ray_omni_process_cpu_seconds_total", stage="coordinator")
     return {
         "coordinator_cpu_ms_per_image": round(1000 * cpu / images, 1) if images else None,
-        "event_loop_samples": int(samples),
+        "event_loop_samples": samples,
         # None when a stall passed the histogram's top bound (or nothing was sampled)
-        "event_loop_stall_max_ms_at_most": None if longest in (None, float("inf")) else 1000 * longest,
-        "event_loop_stalls_over_20ms": int(samples - counts.get(0.02, 0.0)) if samples else None,
+        "event_loop_stall_max_ms_at_most": stall_ms,
+        "event_loop_stalls_over_20ms": stalls,
+        "event_loop_cpu_wait_max_ms_at_most": wait_ms,
+        "event_loop_cpu_waits_over_20ms": waits,
     }
 
 
@@ -211,15 +233,45 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def idle_process_lateness(duration_s: float) -> dict:
+    """What the machine does to an event loop that runs nothing: this process's loop, watched as the coordinator's
+    is, for ``duration_s``; how often it woke over 20 ms late, and over 20 ms less its wait for a CPU."""
+    from deployments.process import watch_event_loop
+
+    samples: list[tuple[float, float]] = []
+
+    async def watch() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(watch_event_loop(lambda stall, wait: samples.append((stall, wait))), duration_s)
+
+    asyncio.run(watch())
+    late = [stall + wait for stall, wait in samples]
+    return {"samples": len(samples), "late_over_20ms": sum(x > 0.02 for x in late),
+            "late_max_ms": round(1000 * max(late, default=0.0), 1),
+            "stalls_over_20ms": sum(stall > 0.02 for stall, _ in samples)}
+
+
+def _idle_process(delay_s: float, duration_s: float) -> subprocess.Popen:
+    """Starts ``idle_process_lateness`` over the window in a process of its own; its JSON comes on stdout."""
+    code = (f"import json, time; from benchmarks.load import idle_process_lateness; time.sleep({delay_s}); "
+            f"print(json.dumps(idle_process_lateness({duration_s})))")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
 def run(url: str, *, concurrency: int | None = None, rate: float | None = None, duration_s: float = 120,
         warmup_s: float = 20, metrics_url: str | None = None, seed: int = 0) -> dict:
-    """One load run; the summary (with the coordinator's figures over the window when ``metrics_url`` is given)."""
+    """One load run; the summary (with the coordinator's figures over the window when ``metrics_url`` is given, and
+    beside them an idle process's: what the machine alone does to an event loop)."""
     assert (concurrency is None) != (rate is None), "give a concurrency or a rate"
+    idle = _idle_process(warmup_s, duration_s) if metrics_url else None
     outcomes, window, scrapes = asyncio.run(drive(url, concurrency=concurrency, rate=rate, duration_s=duration_s,
                                                   warmup_s=warmup_s, seed=seed, metrics_url=metrics_url))
     result = {"concurrency": concurrency, "rate_req_s": rate, **summarize(outcomes, window)}
     if scrapes:
         result.update(coordinator_figures(*scrapes, result["images"]))
+    if idle is not None:
+        result["idle_process_event_loop"] = json.loads(idle.communicate(timeout=60)[0])
     return result
 
 

@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import UploadFile
 
 from deployments import metrics
-from deployments.process import freeze_startup_heap
+from deployments.process import freeze_startup_heap, watch_event_loop
 from deployments.serve_stages import ServeStages
 from omni_ray.config import PipelineConfig
 from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError, PayloadTooLargeError, RequestError
@@ -90,18 +90,21 @@ def _sse_line(event: dict) -> bytes:
     return b"data: " + json_bytes(event) + b"\n\n"
 
 
-async def _watch_event_loop(period_s: float = 0.05) -> None:
-    """Measures how late the event loop wakes a sleeper (a stall: something ran on the loop for that long) and the
-    replica process's CPU time, into Prometheus."""
+async def _watch_event_loop() -> None:
+    """The event loop's stalls and its thread's waits for a CPU (``watch_event_loop``), and the replica process's
+    CPU time, into Prometheus."""
     cpu = time.process_time()
-    while True:
-        before = time.perf_counter()
-        await asyncio.sleep(period_s)
-        metrics.event_loop_stall.observe(max(0.0, time.perf_counter() - before - period_s), tags=COORDINATOR)
+
+    def observe(stall_s: float, cpu_wait_s: float) -> None:
+        nonlocal cpu
+        metrics.event_loop_stall.observe(stall_s, tags=COORDINATOR)
+        metrics.event_loop_cpu_wait.observe(cpu_wait_s, tags=COORDINATOR)
         now = time.process_time()
         if now > cpu:  # Ray's counters refuse 0
             metrics.process_cpu.inc(now - cpu, tags=COORDINATOR)
             cpu = now
+
+    await watch_event_loop(observe)
 
 
 def _deployments_without_replicas() -> list[str]:

@@ -43,10 +43,18 @@ dit_passes = metrics.Counter(
     "(true CFG runs two passes per step).",
     tag_keys=("stage", "outcome"),
 )
+STALL_BOUNDARIES = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
 event_loop_stall = metrics.Histogram(
     "omni_event_loop_stall_seconds",
-    description="How late the coordinator's event loop woke a 50 ms sleeper: the longest anything ran on it.",
-    boundaries=[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5], tag_keys=("stage",),
+    description="How late the coordinator's event loop woke a 50 ms sleeper, less the time its thread waited for a "
+    "CPU: how long something ran on the loop or held the GIL.",
+    boundaries=STALL_BOUNDARIES, tag_keys=("stage",),
+)
+event_loop_cpu_wait = metrics.Histogram(
+    "omni_event_loop_cpu_wait_seconds",
+    description="The rest of that lateness: the time the loop's thread was ready to run and waited for a CPU held by "
+    "other threads or processes (a busy machine, not the loop).",
+    boundaries=STALL_BOUNDARIES, tag_keys=("stage",),
 )
 process_cpu = metrics.Counter(
     "omni_process_cpu_seconds_total", description="CPU time of the replica's process, all its threads.",

@@ -1,8 +1,11 @@
-"""Process-wide settings of a replica, applied once it has started."""
+"""Process-wide settings of a replica, applied once it has started, and what it can read of its own scheduling."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
+from collections.abc import Callable
 
 
 def freeze_startup_heap() -> None:
@@ -12,3 +15,26 @@ def freeze_startup_heap() -> None:
     as usual."""
     gc.collect()
     gc.freeze()
+
+
+def cpu_wait_s() -> float:
+    """Seconds the calling thread has spent ready to run but waiting for a CPU that other threads or processes held
+    (Linux's schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+async def watch_event_loop(observe: Callable[[float, float], None], period_s: float = 0.05) -> None:
+    """Forever: sleeps ``period_s`` on the running loop and calls ``observe(stall_s, cpu_wait_s)`` with how late it
+    woke, in two parts: the time the loop's thread was ready but waited for a CPU that other processes (or threads)
+    held, and the rest, a stall of the loop: something ran on it, or another thread of the process held the GIL, for
+    that long."""
+    while True:
+        before, waited_before = time.perf_counter(), cpu_wait_s()
+        await asyncio.sleep(period_s)
+        late = max(0.0, time.perf_counter() - before - period_s)
+        waited = min(late, cpu_wait_s() - waited_before)
+        observe(late - waited, waited)

@@ -4,6 +4,7 @@ preset accepts, and the figures it derives from two Prometheus scrapes are read 
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -28,9 +29,12 @@ def test_the_mix_spans_sizes_steps_cfg_n_and_streaming_and_each_body_is_valid(ti
     assert mix[:20] == list(itertools.islice(load.request_mix(seed=0), 20))  # seeded: runs compare
 
 
-def histogram(counts: dict[str, float], cpu_s: float) -> dict:
-    samples = {("ray_omni_event_loop_stall_seconds_bucket", f'stage="coordinator",le="{le}"}}'): v
-               for le, v in counts.items()}
+def histogram(counts: dict[str, float], cpu_s: float, waits: dict[str, float] | None = None) -> dict:
+    def buckets(name: str, counts: dict[str, float]) -> dict:
+        return {(f"{name}_bucket", f'stage="coordinator",le="{le}"}}'): v for le, v in counts.items()}
+
+    samples = buckets("ray_omni_event_loop_stall_seconds", counts)
+    samples.update(buckets("ray_omni_event_loop_cpu_wait_seconds", waits or counts))
     samples[("ray_omni_process_cpu_seconds_total", 'stage="coordinator"}')] = cpu_s
     return samples
 
@@ -50,6 +54,13 @@ def test_coordinator_figures_read_the_stall_histogram_and_cpu_between_two_scrape
     quiet = histogram({"0.005": 185, "0.02": 200, "0.05": 200, "+Inf": 200}, cpu_s=14.0)
     assert load.coordinator_figures(before, quiet, images=8)["event_loop_stall_max_ms_at_most"] == 20.0
 
+    # The time the loop's thread waited for a CPU is read apart from the stalls.
+    busy_machine = histogram({"0.005": 185, "0.02": 199, "0.05": 200, "+Inf": 200}, cpu_s=14.0,
+                             waits={"0.005": 150, "0.02": 190, "0.05": 200, "+Inf": 200})
+    figures = load.coordinator_figures(before, busy_machine, images=8)
+    assert figures["event_loop_stalls_over_20ms"] == 0
+    assert (figures["event_loop_cpu_waits_over_20ms"], figures["event_loop_cpu_wait_max_ms_at_most"]) == (9, 50.0)
+
 
 def test_summary_counts_only_what_finished_in_the_window_and_names_the_bottleneck():
     outcomes = [load.Outcome(0.0, 5.0, 200, 1, [{"encoder": 1.0, "dit": 900.0, "vae": 2.0}]),  # warm-up
@@ -64,3 +75,11 @@ def test_summary_counts_only_what_finished_in_the_window_and_names_the_bottlenec
     assert summary["errors"] == {"503": 1}
     assert bottleneck(summary, coordinators=1).startswith("dit")
     assert bottleneck({**summary, "coordinator_cpu_ms_per_image": 9000.0}, coordinators=1) == "coordinator CPU"
+
+
+def test_an_idle_process_watches_its_event_loop_as_the_coordinator_does():
+    idle = load._idle_process(0.0, 0.5)
+    figures = json.loads(idle.communicate(timeout=60)[0])
+    assert 5 <= figures["samples"] <= 10  # a sample per 50 ms sleep
+    assert 0 <= figures["stalls_over_20ms"] <= figures["late_over_20ms"] <= figures["samples"]
+    assert figures["late_max_ms"] >= 0

@@ -488,6 +488,7 @@ def test_prometheus_metrics_per_stage(served):
     samples = settled(lambda s: total(s, "ray_omni_event_loop_stall_seconds_count", stage="coordinator") >= 10
                       and total(s, "ray_omni_process_cpu_seconds_total", stage="coordinator") > 0)
     assert total(samples, "ray_omni_event_loop_stall_seconds_bucket", stage="coordinator", le="+Inf") >= 10
+    assert total(samples, "ray_omni_event_loop_cpu_wait_seconds_count", stage="coordinator") >= 10
 
 
 def test_a_request_id_flows_through_every_stage_and_back(served):
