@@ -1,15 +1,29 @@
-"""The response encoding that runs on the coordinator's threads: chunked base64 and JSON with the images spliced
-in give exactly what base64 and json.dumps give."""
+"""The response encoding that runs on the coordinator's threads: PNG files that keep every pixel at the size
+Pillow's default gives, chunked base64 and JSON with the images spliced in that give exactly what base64 and
+json.dumps give."""
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 
+import numpy as np
 import pytest
+from PIL import Image
 
-from omni_ray.protocol import B64_CHUNK, b64encode, json_bytes
+from omni_ray.protocol import B64_CHUNK, b64encode, encode_image, json_bytes
+from omni_ray.stages.simulated import photo_like
+
+
+def test_png_keeps_every_pixel_at_about_the_default_size():
+    pixels = photo_like(256, 384, variant=1)
+    png = encode_image(pixels, "png")
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), pixels)
+    default = io.BytesIO()
+    Image.fromarray(pixels).save(default, format="PNG")
+    assert len(png) < 1.1 * len(default.getvalue())
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 3, B64_CHUNK - 1, B64_CHUNK, B64_CHUNK + 1, 5 * B64_CHUNK + 2])
