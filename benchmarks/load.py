@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import pathlib
@@ -235,20 +236,33 @@ def _round(value: float | None) -> float | None:
 
 def idle_process_lateness(duration_s: float) -> dict:
     """What the machine does to an event loop that runs nothing: this process's loop, watched as the coordinator's
-    is, for ``duration_s``; how often it woke over 20 ms late, and over 20 ms less its wait for a CPU."""
-    from deployments.process import watch_event_loop
+    is, for ``duration_s``; how often it woke over 20 ms late, and over 20 ms less its wait for a CPU; and how much
+    of the machine's CPU time its hypervisor took (``host_steal_share``; 0 on bare metal), with the samples in
+    which it held a CPU for 20 ms or more."""
+    from deployments.process import cpu_steal_s, watch_event_loop
 
     samples: list[tuple[float, float]] = []
+    stolen = [cpu_steal_s()]
+    start = time.perf_counter()
+
+    def observe(stall: float, wait: float) -> None:
+        samples.append((stall, wait))
+        stolen.append(cpu_steal_s())
 
     async def watch() -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(watch_event_loop(lambda stall, wait: samples.append((stall, wait))), duration_s)
+            await asyncio.wait_for(watch_event_loop(observe), duration_s)
 
     asyncio.run(watch())
+    cpu_seconds = (time.perf_counter() - start) * len(stolen[0])
     late = [stall + wait for stall, wait in samples]
+    most_stolen = [max((b - a for a, b in zip(before, after)), default=0.0)
+                   for before, after in itertools.pairwise(stolen)]
     return {"samples": len(samples), "late_over_20ms": sum(x > 0.02 for x in late),
             "late_max_ms": round(1000 * max(late, default=0.0), 1),
-            "stalls_over_20ms": sum(stall > 0.02 for stall, _ in samples)}
+            "stalls_over_20ms": sum(stall > 0.02 for stall, _ in samples),
+            "host_steal_share": round((sum(stolen[-1]) - sum(stolen[0])) / cpu_seconds, 3) if cpu_seconds else 0.0,
+            "samples_with_20ms_stolen": sum(seconds >= 0.0199 for seconds in most_stolen)}
 
 
 def _idle_process(delay_s: float, duration_s: float) -> subprocess.Popen:

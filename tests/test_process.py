@@ -1,10 +1,11 @@
-"""Reading how long a thread waited for a CPU (the coordinator's event-loop watch subtracts it from a stall)."""
+"""Reading how long a thread waited for a CPU (the coordinator's event-loop watch subtracts it from a stall) and how
+long the hypervisor kept each CPU (the load benchmark reports it beside the stalls)."""
 
 import multiprocessing
 import os
 import time
 
-from deployments.process import cpu_wait_s
+from deployments.process import cpu_steal_s, cpu_wait_s
 
 
 def test_cpu_wait_counts_the_time_a_ready_thread_waits_for_a_cpu():
@@ -23,3 +24,13 @@ def test_cpu_wait_counts_the_time_a_ready_thread_waits_for_a_cpu():
     for process in spinners:
         process.join()
     assert cpu_wait_s() - before > 0.1
+
+
+def test_cpu_steal_is_seconds_per_cpu_since_boot():
+    first = cpu_steal_s()
+    time.sleep(0.05)
+    second = cpu_steal_s()
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    assert len(first) == len(second) == os.cpu_count()
+    assert all(0 <= a <= b <= uptime for a, b in zip(first, second))
