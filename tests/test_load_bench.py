@@ -84,4 +84,4 @@ def test_an_idle_process_watches_its_event_loop_as_the_coordinator_does():
     assert 0 <= figures["stalls_over_20ms"] <= figures["late_over_20ms"] <= figures["samples"]
     assert figures["late_max_ms"] >= 0
     assert 0 <= figures["host_steal_share"] < 1
-    assert 0 <= figures["samples_with_20ms_stolen"] <= figures["samples"]
+    assert 0 <= figures["samples_with_over_20ms_stolen"] <= figures["samples"]
