@@ -47,8 +47,8 @@ else
 endif
 	touch $@
 
-$(TINY_DIR)/model_index.json: $(STAMP) omni_ray/tiny.py
-	$(PY) -m omni_ray.tiny $(TINY_DIR)
+$(TINY_DIR)/model_index.json: $(STAMP) omni_ray/checkpoints/tiny.py
+	$(PY) -m omni_ray.checkpoints.tiny $(TINY_DIR)
 
 test: install
 	$(PY) -m pytest

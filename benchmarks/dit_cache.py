@@ -48,12 +48,12 @@ def worker(steps: int, num_requests: int, repeats: int) -> dict:
     """Runs in its own process (vLLM binds threads for a whole process): every measurement."""
     import numpy as np
 
+    from omni_ray.checkpoints.tiny import write_checkpoint
     from omni_ray.config import CacheSettings, load_config
     from omni_ray.engine.builders import build_dit_core
     from omni_ray.pipeline import Pipeline
-    from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
-    from omni_ray.stages.encode import PromptEncoder
-    from omni_ray.tiny import write_checkpoint
+    from omni_ray.records import DenoiseParams, DenoiseRequest
+    from testing.reference import PromptEncoder
 
     checkpoint = pathlib.Path.home() / ".cache" / "omni-ray" / "bench-small"
     if not (checkpoint / "model_index.json").exists():
@@ -71,7 +71,8 @@ def worker(steps: int, num_requests: int, repeats: int) -> dict:
         for i, setting in zip(indices, settings):
             cache = CacheSettings(**cache_field(setting)) if setting is not None else None
             ids[i] = uuid.uuid4().hex
-            dit.add_request(DenoiseRequest(ids[i], DenoiseParams(HEIGHT, WIDTH, steps, 1000 + i, 4.0, cache),
+            params = DenoiseParams(HEIGHT, WIDTH, steps, 1000 + i, 4.0, cache, true_cfg=True)
+            dit.add_request(DenoiseRequest(ids[i], params,
                                            embeds[i], negative))
         done = {}
         while dit.has_unfinished_requests():

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmarks.edit_throughput [--batches 1 2 4 8] [--steps 8] [--area 65536]
 
-On the small edit checkpoint (``python -m omni_ray.tiny --edit --size small``), b edits of b different photos of
+On the small edit checkpoint (``python -m omni_ray.checkpoints.tiny --edit --size small``), b edits of b different
+photos of
 one size (so their working sizes match), each with its own prompt and seed, true CFG on with a negative prompt:
 
 - omni-ray: the three engines in one process (vLLM's vision path, the batched VAE encode and decode, the DiT with
@@ -33,12 +34,12 @@ NEGATIVE = "blurry, low quality"
 
 def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
     from diffusers.utils import logging as diffusers_logging
+    from testing.reference import load_reference, reference_edit, source_image
 
+    from omni_ray.api.images import load_input_image
+    from omni_ray.checkpoints.tiny import write_checkpoint
     from omni_ray.config import load_config
     from omni_ray.pipeline import Pipeline
-    from omni_ray.protocol import load_input_image
-    from tests.reference import load_reference, reference_edit, source_image
-    from omni_ray.tiny import write_checkpoint
 
     checkpoint = pathlib.Path.home() / ".cache" / "omni-ray" / "bench-small-edit"
     if not (checkpoint / "model_index.json").exists():

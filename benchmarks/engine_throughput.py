@@ -67,12 +67,12 @@ def worker(size: str, batches: list[int], steps: int, repeats: int) -> dict:
     from diffusers import QwenImagePipeline
     from diffusers.utils import logging as diffusers_logging
 
+    from omni_ray.checkpoints.tiny import write_checkpoint
     from omni_ray.config import load_config
     from omni_ray.engine.builders import build_dit_core
     from omni_ray.pipeline import Pipeline
-    from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
-    from omni_ray.stages.encode import PromptEncoder
-    from omni_ray.tiny import write_checkpoint
+    from omni_ray.records import DenoiseParams, DenoiseRequest
+    from testing.reference import PromptEncoder
 
     checkpoint = pathlib.Path.home() / ".cache" / "omni-ray" / f"bench-{size}"
     if not (checkpoint / "model_index.json").exists():
@@ -89,7 +89,7 @@ def worker(size: str, batches: list[int], steps: int, repeats: int) -> dict:
     dit = build_dit_core(config)
 
     def params(seed: int) -> DenoiseParams:
-        return DenoiseParams(height, width, steps, seed, true_cfg_scale=4.0)
+        return DenoiseParams(height, width, steps, seed, true_cfg_scale=4.0, true_cfg=True)
 
     def diffusers_call(prompt, seed, **kwargs):
         if "negative_prompt_embeds" not in kwargs:

@@ -24,7 +24,9 @@ import json
 import pathlib
 import time
 
-from omni_ray.full_size import CONFIG_DIR, PUBLISHED_PARAMS, parameter_counts
+from omni_ray.checkpoints.full_size import CONFIG_DIR, parameter_counts
+from omni_ray.qwen_image import LATENT_CHANNELS, PUBLISHED_PARAMS, TEXT_HIDDEN, image_tokens
+from omni_ray.runners.gpu_costs import dit_pass_flops
 
 _SCHEDULER_FILE = CONFIG_DIR / "scheduler" / "scheduler_config.json"
 SCHEDULER_CONFIG = {k: v for k, v in json.loads(_SCHEDULER_FILE.read_text()).items() if not k.startswith("_")}
@@ -34,8 +36,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, per t
 
 def dit_flops(height: int, width: int, text_tokens: int, passes: int) -> float:
     """The DiT forward's FLOPs (DESIGN.md's formula) for ``passes`` rows of one image."""
-    n = (height // 16) * (width // 16) + text_tokens
-    return passes * (2 * 6.79e9 * n + 4 * 60 * 3072 * n**2)
+    return passes * dit_pass_flops(image_tokens(height, width) + text_tokens)
 
 
 def build(device: str, num_layers: int):
@@ -89,9 +90,9 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
-    from omni_ray.stages.decode import VaeRunner
-    from omni_ray.stages.denoise import DenoiseParams, DenoiseRunner, Latents
-    from omni_ray.stages.encode import PromptEmbeds
+    from omni_ray.records import DenoiseParams, Latents, PromptEmbeds
+    from omni_ray.runners.decode import VaeRunner
+    from omni_ray.runners.denoise import DenoiseRunner
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try the script at a few layers
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -109,14 +110,14 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
     print(f"{name}: built in {report['build_s']} s, {report['weights_gib']} GiB of weights", flush=True)
     runner, decoder = DenoiseRunner(transformer, SCHEDULER_CONFIG), VaeRunner(vae)
     generator = torch.Generator().manual_seed(0)
-    embeds = [PromptEmbeds(torch.randn(text_tokens, 3584, generator=generator)) for _ in range(2 * max(batches))]
+    embeds = [PromptEmbeds(torch.randn(text_tokens, TEXT_HIDDEN, generator=generator)) for _ in range(2 * max(batches))]
     pipe = QwenImagePipeline(FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae, None, None, transformer)
     pipe.set_progress_bar_config(disable=True)
     for side in sizes:
         entry = {"size": side, "dit": []}
         for b in batches:
             _reset_peak()
-            params = [DenoiseParams(side, side, 1000, seed=i, true_cfg_scale=4.0) for i in range(b)]
+            params = [DenoiseParams(side, side, 1000, seed=i, true_cfg_scale=4.0, true_cfg=True) for i in range(b)]
             states = [runner.prepare(p, embeds[2 * i], embeds[2 * i + 1]) for i, p in enumerate(params)]
             seconds = timed(lambda: runner.step(states), repeats)
             flops = b * dit_flops(side, side, text_tokens, passes=2) * num_layers / FULL_LAYERS
@@ -131,8 +132,7 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
         one = entry["dit"][0]["step_s"]
         for row in entry["dit"]:
             row["gain_per_image"] = round(one / row["step_s_per_image"], 2)
-        tokens = (side // 16) ** 2
-        latents = Latents(torch.randn(tokens, 64, generator=generator), side, side)
+        latents = Latents(torch.randn(image_tokens(side, side), LATENT_CHANNELS, generator=generator), side, side)
         _reset_peak()
         entry["vae_decode_s"] = round(timed(lambda: decoder.decode([latents]), repeats), 4)
         entry["vae_peak_memory_gib"] = _peak_gib()

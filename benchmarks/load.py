@@ -32,8 +32,9 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
+
+from testing.serving import scrape, total
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -44,6 +45,18 @@ STEPS = [8, 20, 30, 50]
 SUBJECTS = ["a lighthouse on a cliff at dusk", "a bowl of ramen, steam rising", "a red fox in fresh snow",
             "a street market in Marrakesh", "an astronaut reading in a library", "a glass teapot on a wooden table"]
 STAGES = ("encoder", "dit", "vae")
+
+
+def cpu_steal_s() -> list[float]:
+    """Seconds each CPU of this (virtual) machine was kept from running by its hypervisor so far, to 10 ms (Linux's
+    /proc/stat; empty elsewhere). A stolen CPU delays whatever thread it runs, the event loop's or a GIL holder's,
+    and the thread's own schedstat does not see it."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and not line.startswith("cpu ")]
+        return [int(fields[8]) / os.sysconf("SC_CLK_TCK") for fields in lines]
+    except (OSError, IndexError, ValueError):
+        return []
 
 
 def request_mix(seed: int = 0):
@@ -144,25 +157,6 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def scrape(url: str) -> dict[tuple[str, str], float]:
-    """Prometheus text as {(metric name, labels text): value}."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name, _, labels = name_labels.partition("{")
-        samples[(name, labels)] = samples.get((name, labels), 0.0) + float(value)
-    return samples
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    return sum(v for (n, l), v in samples.items() if n == name and all(w in l for w in wanted))
-
-
 def _histogram(before: dict, after: dict, name: str) -> dict[float, float]:
     """The coordinator's samples of one histogram between two scrapes, as {bucket bound: count at or below it}."""
     def buckets(samples: dict) -> dict[float, float]:
@@ -239,7 +233,7 @@ def idle_process_lateness(duration_s: float) -> dict:
     is, for ``duration_s``; how often it woke over 20 ms late, and over 20 ms less its wait for a CPU; and how much
     of the machine's CPU time its hypervisor took (``host_steal_share``; 0 on bare metal), with the samples in
     which it surely held one CPU over 20 ms (Linux counts it in ticks of 10 ms: three ticks or more)."""
-    from deployments.process import cpu_steal_s, watch_event_loop
+    from omni_ray.serve.process import watch_event_loop
 
     samples: list[tuple[float, float]] = []
     stolen = [cpu_steal_s()]

@@ -32,17 +32,17 @@ NUM_ADAPTERS = 4
 
 def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats: int) -> dict:
     import torch
+    from testing.lora_files import TARGETS, make_adapter
 
-    from omni_ray.config import LoraRef
+    from omni_ray.checkpoints.tiny import write_checkpoint
     from omni_ray.engine.async_engine import AsyncEngine
-    from omni_ray.engine.core import EngineCore
+    from omni_ray.engine.core import DiTEngineCore
     from omni_ray.engine.dit_scheduler import DiTScheduler
     from omni_ray.engine.lora_residency import LoraResidency
-    from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
-    from omni_ray.stages.encode import PromptEncoder
-    from omni_ray.stages.lora import read_lora
-    from omni_ray.tiny import write_checkpoint
-    from tests.lora_files import TARGETS, make_adapter
+    from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
+    from omni_ray.runners.denoise import DenoiseRunner
+    from omni_ray.runners.lora import read_lora
+    from testing.reference import PromptEncoder
 
     class OneAdapterPerBatch(DiTScheduler):
         def batch_key(self, request):
@@ -63,14 +63,14 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
     layers = [read_lora(path, runner.lora_shapes) for path in paths]
 
     def request(i: int, lora, num_steps: int = steps) -> DenoiseRequest:
-        return DenoiseRequest(uuid.uuid4().hex, DenoiseParams(height, width, num_steps, 1000 + i, 4.0, lora=lora),
-                              embeds[i % len(embeds)], negative)
+        params = DenoiseParams(height, width, num_steps, 1000 + i, 4.0, lora=lora, true_cfg=True)
+        return DenoiseRequest(uuid.uuid4().hex, params, embeds[i % len(embeds)], negative)
 
     def stream(scheduler_class) -> float:
         """Seconds for ``concurrency`` requests sent at once, adapters round robin, through the async engine."""
-        engine = AsyncEngine(lambda: EngineCore(scheduler_class(max_batch_size=8, max_wait_steps=steps), runner),
+        engine = AsyncEngine(lambda: DiTEngineCore(scheduler_class(max_batch_size=8, max_wait_steps=steps), runner),
                              "dit").start()
-        residency = LoraResidency(engine, NUM_ADAPTERS, runner.lora_shapes)
+        residency = LoraResidency(engine, NUM_ADAPTERS, read_lora)
 
         async def one(i: int) -> None:
             lora = adapters[i % NUM_ADAPTERS]
@@ -94,7 +94,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
 
     def step_seconds(batch: int, loras: list, timed: int = 10) -> float:
         """One engine step (after the first, which prepares) of ``batch`` requests, the fastest of ``timed``."""
-        core = EngineCore(DiTScheduler(max_batch_size=batch, max_wait_steps=steps), runner)
+        core = DiTEngineCore(DiTScheduler(max_batch_size=batch, max_wait_steps=steps), runner)
         for i in range(batch):
             core.add_request(request(i, loras[i % len(loras)], timed + 2))
         core.step()
@@ -147,10 +147,10 @@ def lora_flops_share(shapes: dict[str, tuple[int, int]], rank: int, targets: tup
 
 def flops_shares(rank: int) -> dict:
     """The LoRA FLOP share for the small checkpoint and for Qwen-Image at full size (built on the meta device)."""
+    from testing.lora_files import TARGETS
     from torch import nn
 
-    from omni_ray.full_size import build_meta
-    from tests.lora_files import TARGETS
+    from omni_ray.checkpoints.full_size import build_meta
 
     full = build_meta()["transformer"]
     shapes = {n: (m.in_features, m.out_features) for n, m in full.named_modules() if isinstance(m, nn.Linear)}

@@ -82,7 +82,7 @@ def main() -> None:
 
     from benchmarks import load
     from benchmarks.engine_throughput import machine
-    from deployments.local import LocalServe
+    from testing.local_serve import LocalServe
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="omni-ray-scale-"))
     out = pathlib.Path(args.out)

@@ -7,7 +7,7 @@
 - throughput: 16 concurrent requests to the app against the same 16 run one after another in process, and
   against the same 16 sent to the app one after another (what concurrency gains the served app).
 
-The app runs `serve run config.yaml` on a local cluster (deployments.local.LocalServe) with the checkpoint swapped
+The app runs `serve run config.yaml` on a local cluster (testing.local_serve.LocalServe) with the checkpoint swapped
 in. Writes benchmarks/results/serve_overhead.{json,png}.
 """
 
@@ -46,8 +46,8 @@ def main() -> None:
     from diffusers import QwenImagePipeline
 
     from benchmarks.engine_throughput import machine
-    from deployments.local import LocalServe
-    from omni_ray.tiny import write_checkpoint
+    from omni_ray.checkpoints.tiny import write_checkpoint
+    from testing.local_serve import LocalServe
 
     checkpoint = pathlib.Path.home() / ".cache" / "omni-ray" / f"bench-{args.size}"
     if not (checkpoint / "model_index.json").exists():

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.soak [--requests 2000] [--edits 500] [--concurrency 16]
 
-Two phases, each on a fresh local cluster (``deployments.local.LocalServe``):
+Two phases, each on a fresh local cluster (``testing.local_serve.LocalServe``):
 
 - ``config.yaml`` (tiny text-to-image preset): text to image with n 1-3, a quarter streamed, a tenth invalid (each
   must be a 400 naming its field) and a twentieth cancelled by the client mid-flight;
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from benchmarks.engine_throughput import REPO, RESULTS, machine, save_figure
-from omni_ray.client import connect_ray
+from omni_ray.api.client import connect_ray
 
 MAX_GROWTH_MB = 50.0
 INVALID = [  # (body, the param the 400 must name)
@@ -160,7 +160,7 @@ class Sampler(threading.Thread):
 def phase(config: str, count: int, concurrency: int, edit: bool, timeout: float = 300.0) -> dict:
     import ray
 
-    from deployments.local import LocalServe
+    from testing.local_serve import LocalServe
 
     print(f"{config}: {count} requests, {concurrency} at a time", flush=True)
     with LocalServe(REPO / config) as served:

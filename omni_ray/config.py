@@ -10,18 +10,31 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from omni_ray.placement import check_placement
+from omni_ray.qwen_image import (
+    QWEN_IMAGE_TEACACHE,
+    TEXT_TO_IMAGE,
+    TOKENIZER_MAX_LENGTH,
+    PromptTemplate,
+    check_side,
+    template_for,
+)
 
 PositiveInt = Annotated[int, Field(gt=0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
-# Image sides are multiples of this: the VAE's 8x compression times the transformer's 2x2 patches (Qwen-Image's
-# architecture, not a setting). The model runners check that a checkpoint agrees.
-SIZE_MULTIPLE = 16
+
+def _int_as_float(value):
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+# A float field that also takes a JSON integer, even in strict mode (``4`` for ``4.0``).
+Number = Annotated[float, BeforeValidator(_int_as_float)]
 
 # "owner/name", as on the model hub; anything else must be a local directory.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -95,7 +108,7 @@ class _StageConfig(_Frozen):
     runner: Literal["model", "simulated"] = Field(
         "model",
         description="model: run the checkpoint. simulated: compute nothing, wait as long as the stage would take on "
-        "a GPU and return outputs of Qwen-Image's real shapes (omni_ray.stages.gpu_costs), for load tests on any "
+        "a GPU and return outputs of Qwen-Image's real shapes (omni_ray.runners.gpu_costs), for load tests on any "
         "machine; only the tokenizer is read from `model`.",
     )
     dtype: Dtype = Field("float32", description="Weights and activations dtype.")
@@ -110,7 +123,8 @@ class EncoderConfig(_StageConfig):
 
     max_num_seqs: PositiveInt = Field(8, description="Most prompts the encoder batches in one engine step.")
     max_model_len: PositiveInt = Field(
-        1024 + 34, description="Longest token sequence (template included) the encoder accepts."
+        TOKENIZER_MAX_LENGTH + TEXT_TO_IMAGE.drop,
+        description="Longest token sequence (template included) the encoder accepts.",
     )
     max_sequence_length: PositiveInt = Field(
         512, description="Prompt embeddings kept per prompt after the template is dropped (diffusers' default)."
@@ -125,29 +139,6 @@ class EncoderConfig(_StageConfig):
     )
 
 
-# TeaCache's rescaling polynomial for Qwen-Image (highest power first), as vLLM-Omni ships it
-# (vllm_omni/diffusion/cache/teacache, "from ComfyUI-TeaCache"): it maps the relative change of the first block's
-# modulated input to the expected relative change of the transformer's output.
-QWEN_IMAGE_TEACACHE = (-4.5e2, 2.8e2, -4.5e1, 3.2, -2e-2)
-
-
-LoraKey = tuple[str, str]  # (name, path): a name loaded again from another file is another adapter
-
-
-@dataclass(frozen=True, slots=True)
-class LoraRef:
-    """A request's LoRA adapter: its name, where its file is, and the request's scale (diffusers' adapter
-    weight)."""
-
-    name: str
-    path: str
-    scale: float = 1.0
-
-    @property
-    def key(self) -> LoraKey:
-        return (self.name, self.path)
-
-
 class CacheSettings(_Frozen):
     """DiT cache acceleration for one request: which rule decides when a step reuses the residual of the blocks it
     skips, and how much change it tolerates. Both rules are decided per request (and per CFG pass) inside a step
@@ -160,14 +151,9 @@ class CacheSettings(_Frozen):
         "while the rescaled change of the first block's modulated input, summed since the last full step, stays "
         "under `threshold`; the first and last steps always run.",
     )
-    threshold: float = Field(
+    threshold: Number = Field(
         ..., ge=0, le=2, description="Relative change tolerated: 0 never reuses; higher reuses more and drifts more."
     )
-
-    @field_validator("threshold", mode="before")
-    @classmethod
-    def _int_is_a_number(cls, value):
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class DiTConfig(_StageConfig):
@@ -262,9 +248,7 @@ class RequestLimits(_Frozen):
         if self.min_side > self.max_side:
             raise ValueError(f"min_side ({self.min_side}) exceeds max_side ({self.max_side})")
         for name in ("default_width", "default_height", "min_side", "max_side"):
-            value = getattr(self, name)
-            if value % SIZE_MULTIPLE:
-                raise ValueError(f"{name} ({value}) is not a multiple of {SIZE_MULTIPLE}")
+            check_side(name, getattr(self, name))
         for name in ("default_width", "default_height"):
             if not self.min_side <= getattr(self, name) <= self.max_side:
                 raise ValueError(f"{name} is outside min_side..max_side")
@@ -283,8 +267,10 @@ class PipelineConfig(_Frozen):
     build_if_missing: Literal["tiny", "small", "dummy"] | None = Field(
         None,
         description="Write this offline checkpoint to `model` on first start when the directory is missing: "
-        "`tiny` or `small` (omni_ray.tiny, seed 0) for the CPU presets, `dummy` (omni_ray.dummy: Qwen-Image's "
-        "full-size configs and a tokenizer, no weights) for `weights: dummy`.",
+        "`tiny` or `small` (omni_ray.checkpoints.tiny, seed 0) for the CPU presets, `dummy` "
+        "(omni_ray.checkpoints.dummy: Qwen-Image's full-size configs and a tokenizer, no weights) for `weights: "
+        "dummy`. The app builder, the in-process pipeline and `make` write it (omni_ray.checkpoints.ensure); "
+        "loading a preset never does.",
     )
     gpu_memory_gib: float | None = Field(
         None, gt=0,
@@ -319,8 +305,6 @@ class PipelineConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_stages(self) -> PipelineConfig:
-        from omni_ray.placement import check_placement
-
         for stage_name in ("encoder", "dit", "vae"):
             stage = getattr(self, stage_name)
             if stage.device.startswith("cuda") and stage.deployment.num_gpus == 0:
@@ -336,6 +320,11 @@ class PipelineConfig(_Frozen):
                 f"dit.max_batch_size ({self.dit.max_batch_size}), or batches never fill"
             )
         return self
+
+    @property
+    def prompt_template(self) -> PromptTemplate:
+        """The checkpoint's prompt template: the edit one for Qwen-Image-Edit checkpoints."""
+        return template_for(edit=self.edit is not None)
 
     @property
     def is_local(self) -> bool:
@@ -363,43 +352,52 @@ def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineC
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """Validates a preset given as a mapping; raises ConfigError naming the field."""
+    """Validates a preset given as a mapping; raises ConfigError naming the field. Reads the checkpoint's
+    ``model_index.json`` when it exists; writes nothing (a checkpoint that ``build_if_missing`` names and that is not
+    there yet is written by ``omni_ray.checkpoints.ensure``)."""
     try:
         config = PipelineConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{source}: {_describe(err)}") from None
-    if config.is_local:
-        model_dir = pathlib.Path(config.model).expanduser()
-        if config.build_if_missing == "dummy" and not model_dir.exists():
-            from omni_ray.dummy import write_dummy_checkpoint
-
-            write_dummy_checkpoint(model_dir, edit=config.edit is not None)
-        elif config.build_if_missing and not model_dir.exists():
-            from omni_ray.tiny import write_checkpoint
-
-            write_checkpoint(model_dir, seed=0, size=config.build_if_missing, edit=config.edit is not None)
-        index = model_dir / "model_index.json"
-        if not index.is_file():
-            raise ConfigError(
-                f"{source}: model: {config.model!r} is not a checkpoint directory (no model_index.json); "
-                "build the tiny one with `python -m omni_ray.tiny DIR` (`--edit` for an edit checkpoint)"
-            )
-        pipeline = json.loads(index.read_text()).get("_class_name")
-        expected = "QwenImageEditPipeline" if config.edit is not None else "QwenImagePipeline"
-        if pipeline != expected:
-            raise ConfigError(
-                f"{source}: model: {config.model!r} is a {pipeline} checkpoint, but this preset "
-                f"{'edits' if config.edit is not None else 'generates'} images and needs a {expected} one "
-                f"(`edit:` is set for Qwen-Image-Edit checkpoints only)"
-            )
-        config = config.model_copy(update={"model": str(model_dir.resolve())})
+        raise ConfigError(f"{source}: {describe(err)}") from None
+    if not config.is_local:
+        return config
+    model_dir = pathlib.Path(config.model).expanduser()
+    config = config.model_copy(update={"model": str(model_dir.resolve())})
+    if config.build_if_missing and not model_dir.exists():
+        return config
+    check_checkpoint(config, source)
     return config
 
 
-def _describe(err: ValidationError) -> str:
+def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
+    """Raises ConfigError unless a local ``model`` holds a checkpoint of the preset's kind (reads
+    ``model_index.json``)."""
+    index = pathlib.Path(config.model) / "model_index.json"
+    if not index.is_file():
+        raise ConfigError(
+            f"{source}: model: {config.model!r} is not a checkpoint directory (no model_index.json); "
+            "build the tiny one with `python -m omni_ray.checkpoints.tiny DIR` (`--edit` for an edit checkpoint)"
+        )
+    pipeline = json.loads(index.read_text()).get("_class_name")
+    expected = "QwenImageEditPipeline" if config.edit is not None else "QwenImagePipeline"
+    if pipeline != expected:
+        raise ConfigError(
+            f"{source}: model: {config.model!r} is a {pipeline} checkpoint, but this preset "
+            f"{'edits' if config.edit is not None else 'generates'} images and needs a {expected} one "
+            f"(`edit:` is set for Qwen-Image-Edit checkpoints only)"
+        )
+
+
+def field_errors(err: ValidationError, unknown: str = "unknown field") -> list[tuple[str | None, str]]:
+    """Each problem of a pydantic error as (the field's dotted name or None for the whole, the message); a field the
+    schema does not have is called ``unknown``."""
     problems = []
     for error in err.errors():
-        field = ".".join(str(part) for part in error["loc"]) or "<root>"
-        message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
-        problems.append(f"{field}: {message}")
-    return "; ".join(problems)
+        field = ".".join(str(part) for part in error["loc"]) or None
+        problems.append((field, unknown if error["type"] == "extra_forbidden" else error["msg"]))
+    return problems
+
+
+def describe(err: ValidationError) -> str:
+    """A pydantic error as one line, each problem led by its field's name."""
+    return "; ".join(f"{field}: {message}" if field else message for field, message in field_errors(err))

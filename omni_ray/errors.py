@@ -5,6 +5,18 @@ Every layer raises these; the HTTP layer maps them to OpenAI-style error bodies.
 
 from __future__ import annotations
 
+import enum
+
+
+class StageCall(enum.Enum):
+    """The calls a request makes of the stages; a lost one is named by it and issued again."""
+
+    ENCODE_PROMPT = "encode_prompt"
+    ENCODE_IMAGE = "encode_image"
+    DENOISE = "denoise"
+    DECODE = "decode"
+    CHECK_LORA = "check_lora"
+
 
 class OmniRayError(Exception):
     """Base of every error omni-ray raises on purpose."""
@@ -82,9 +94,9 @@ class StageLostError(OverloadedError):
     deterministic in their inputs, so the request path issues ``call`` again; the caller sees this error only when
     the request's retry budget runs out."""
 
-    def __init__(self, stage: str, call: str, cause: str = "", retry_after_s: float = 5.0):
+    def __init__(self, stage: str, call: StageCall, cause: str = "", retry_after_s: float = 5.0):
         detail = f": {cause}" if cause else ""
-        super().__init__(f"the replica running {call} was lost{detail}", retry_after_s, stage)
+        super().__init__(f"the replica running {call.value} was lost{detail}", retry_after_s, stage)
         self.call = call
 
 

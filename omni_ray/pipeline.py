@@ -19,36 +19,37 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from omni_ray import checkpoints
+from omni_ray.api.images import load_input_image
+from omni_ray.api.planning import plan_request
+from omni_ray.api.schema import ImageGenerationRequest
 from omni_ray.config import PipelineConfig, load_config
-from omni_ray.errors import RequestError
 from omni_ray.engine.async_engine import AsyncEngine
-from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
-from omni_ray.engine.output import StepDone
-from omni_ray.protocol import ImageGenerationRequest, load_input_image, plan_request
-from omni_ray.request_path import (
-    DenoiseEvent,
-    Handle,
-    LatentsReady,
-    PreviewReady,
-    RequestEvent,
-    Stages,
-    collect,
-    run_request,
+from omni_ray.engine.lora_residency import LoraResidency
+from omni_ray.errors import RequestError
+from omni_ray.records import (
+    Decoded,
+    DecodeRequest,
+    DenoiseParams,
+    DenoiseRequest,
+    EncodeRequest,
+    ImageEncodeRequest,
+    OutputMode,
 )
-from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
-from omni_ray.stages.encode import EncodeRequest, PromptTokenizer, template_for
+from omni_ray.request_path import DenoiseEvent, RequestEvent, Stages, collect, run_request
+from omni_ray.runners.lora import read_lora
+from omni_ray.runners.tokenizer import PromptTokenizer
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs" / "qwen_image_tiny.yaml"
 
 
-class LocalStages(Stages):
+class LocalStages(Stages[asyncio.Future]):
     """The stage protocol on three in-process engines; handles are asyncio tasks holding the records."""
 
     def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, max_loras: int = 4):
         self.encoder, self.dit, self.vae = encoder, dit, vae
-        self.loras = LoraResidency(dit, max_loras, dit.core.runner.lora_shapes)
+        self.loras = LoraResidency(dit, max_loras, read_lora)
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> LocalStages:
@@ -70,30 +71,25 @@ class LocalStages(Stages):
         return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image)))
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: Handle | None
+        self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: asyncio.Future | None
     ) -> AsyncIterator[DenoiseEvent]:
         # Shielded: the n images of a request share these calls, and one image's cancellation must not cancel them.
         encoded = await asyncio.shield(prompt)
         image = await asyncio.shield(image_latents) if image_latents is not None else None
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image)
         async with self.loras.use(params.lora):
-            preview_follows = False
             async for item in self.dit.stream(request):
-                if isinstance(item, StepDone):
-                    preview_follows = item.has_preview
-                    yield item
-                elif preview_follows:
-                    preview_follows = False
-                    yield PreviewReady(item)
-                else:
-                    yield LatentsReady(item)
+                yield item  # the engine's typed stream; its latents are the handles
 
-    async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
+    async def decode(self, request_id: str, latents, output: OutputMode) -> Decoded:
         return await self.vae.generate(DecodeRequest(request_id, latents, output))
 
-    def cancel(self, handle: Handle) -> None:
+    def cancel(self, handle) -> None:
         if isinstance(handle, asyncio.Future):
             handle.cancel()
+
+    async def check_lora(self, path: str) -> None:
+        await asyncio.to_thread(read_lora, path, self.loras.shapes)
 
     def shutdown(self) -> None:
         for engine in (self.encoder, self.dit, self.vae):
@@ -104,9 +100,9 @@ class Pipeline:
     """Requests in the images API's terms, run in this process: for scripts, tests and benchmarks."""
 
     def __init__(self, config: PipelineConfig, stages: LocalStages | None = None):
-        self.config = config
+        self.config = checkpoints.ensure(config)
         self.stages = stages or LocalStages.from_config(config)
-        self.tokenizer = PromptTokenizer(config.model, template_for(config))
+        self.tokenizer = PromptTokenizer(config.model, config.prompt_template)
 
     def events(
         self,

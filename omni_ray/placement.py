@@ -19,11 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_ray.full_size import PUBLISHED_PARAMS
+from omni_ray.qwen_image import PUBLISHED_PARAMS, VISION_PARAMS
 
 GIB = 1 << 30
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
-VISION_PARAMS = 676_550_144  # Qwen2.5-VL-7B's vision tower, inside PUBLISHED_PARAMS["text_encoder"]
 CONTEXT_GIB = 1.0
 DIT_GIB_PER_REQUEST_1328 = 1.2  # measured: peak at b=8 minus b=1, over 7, on an H100 (gpu.json)
 VAE_GIB_PER_MEGAPIXEL = 4.0  # measured: 7.0 GiB to decode one 1328x1328 image

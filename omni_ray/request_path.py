@@ -1,11 +1,13 @@
 """One request path: a planned request in, a stream of typed events out.
 
-``run_request`` alone owns what a request means across the stages: the CFG rule, the edit branch, the fan-out over
-``n``, the deadline, cancellation when the caller goes away, retries of lost stage calls, and error events. It
-reaches the stages through ``Stages``, a small Ray-free protocol with two implementations: the engines in one process
-(``omni_ray.pipeline.LocalStages``) and Serve deployment handles (``deployments.serve_stages.ServeStages``), which
-pass each stage's result to the next by reference. Every caller is a view of the stream: a JSON response drains it
-(``collect``), server-sent events forward it, the in-process pipeline collects it.
+``run_request`` alone owns what a request means across the stages: what each stage is asked (the plan has decided
+true CFG once; the encoder encodes the negative prompt and the DiT runs its pass only then), the edit branch, the
+fan-out over ``n``, the deadline, cancellation when the caller goes away, retries of lost stage calls, and error
+events. It reaches the stages through ``Stages``, a small Ray-free protocol with two implementations: the engines in
+one process (``omni_ray.pipeline.LocalStages``) and Serve deployment handles
+(``omni_ray.serve.serve_stages.ServeStages``), which pass each stage's result to the next by reference. Every caller
+is a view of the stream: a JSON response drains it (``collect``), server-sent events forward it, the in-process
+pipeline collects it.
 
 Stage calls are deterministic in their inputs (each image's seed rides in its parameters), so a call lost with its
 replica is issued again and gives the same image; a request fails when a stage fails it, when one image has lost
@@ -18,43 +20,35 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import numpy as np
-
+from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import RequestLimits
-from omni_ray.engine.output import StepDone
-from omni_ray.errors import DeadlineExceededError, EngineError, OmniRayError, StageLostError
-from omni_ray.protocol import GenerationPlan
-from omni_ray.stages.decode import Decoded, OutputMode
-from omni_ray.stages.denoise import DenoiseParams, uses_true_cfg
-from omni_ray.stages.encode import EncodeRequest
+from omni_ray.errors import DeadlineExceededError, EngineError, OmniRayError, StageCall, StageLostError
+from omni_ray.records import (
+    Decoded,
+    DenoiseParams,
+    EncodeRequest,
+    Finished,
+    Follows,
+    OutputMode,
+    Preview,
+    StepDone,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
-Handle = Any  # a started stage call's result: the record itself in process, a reference across Ray
+Handle = TypeVar("Handle")  # a started stage call's result: the record itself in process, a reference across Ray
+
+DenoiseEvent = StepDone | Preview | Finished  # Preview and Finished carry handles to the DiT's latents
 
 
-@dataclass(slots=True)
-class LatentsReady:
-    """The DiT's last event for an image: its latents, as a handle to pass to the VAE."""
-
-    latents: Handle
-
-
-@dataclass(slots=True)
-class PreviewReady:
-    """The clean latents the DiT predicted at a step the request asked a preview of, as a handle for the VAE."""
-
-    latents: Handle
-
-
-DenoiseEvent = StepDone | PreviewReady | LatentsReady
-
-
-class Stages(ABC):
+class Stages(ABC, Generic[Handle]):
     """The stage calls a request makes. ``encode_prompt`` and ``encode_image`` start their call and return at once
     with a handle that the request path only passes on; every failure surfaces as an ``OmniRayError`` where a
     handle is consumed, ``StageLostError`` (naming the lost call) when a replica or its result was lost."""
@@ -75,8 +69,8 @@ class Stages(ABC):
     def denoise(
         self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: Handle | None
     ) -> AsyncIterator[DenoiseEvent]:
-        """Denoises one image: ``StepDone`` after every step (then ``PreviewReady`` when the step has a preview), then
-        ``LatentsReady``. Closing it aborts the call."""
+        """Denoises one image: ``StepDone`` after every step (then ``Preview`` when the step has one), then
+        ``Finished``; both carry handles to latents. Closing it aborts the call."""
 
     @abstractmethod
     async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
@@ -85,6 +79,10 @@ class Stages(ABC):
     @abstractmethod
     def cancel(self, handle: Handle) -> None:
         """Cancels a started call; a no-op on finished ones."""
+
+    @abstractmethod
+    async def check_lora(self, path: str) -> None:
+        """Raises RequestError (naming ``lora_path``) unless the DiT finds ``path`` an adapter it can take."""
 
 
 @dataclass(slots=True)
@@ -97,7 +95,7 @@ class Progress:
 
 
 @dataclass(slots=True)
-class Preview:
+class ImagePreview:
     """Image ``index``'s preview number ``partial_index`` (0-based): the VAE decode of the clean image a step
     predicted."""
 
@@ -121,7 +119,7 @@ class Failed:
     error: OmniRayError
 
 
-RequestEvent = Progress | Preview | ImageDone | Failed
+RequestEvent = Progress | ImagePreview | ImageDone | Failed
 
 
 async def run_request(
@@ -174,6 +172,7 @@ def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
     return DenoiseParams(
         plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale, plan.cache,
         plan.lora, preview_steps(request.partial_images if request.stream else 0, plan.num_inference_steps),
+        true_cfg=plan.true_cfg,
     )
 
 
@@ -194,14 +193,13 @@ class _SharedInputs:
 
     def _encode_prompt(self) -> Handle:
         request = self.plan.request
-        has_negative = request.negative_prompt is not None
-        negative = request.negative_prompt if uses_true_cfg(request.true_cfg_scale, has_negative) else None
+        negative = request.negative_prompt if self.plan.true_cfg else None
         return self.stages.encode_prompt(EncodeRequest(self.request_id, request.prompt, negative), self.image)
 
-    def reissue(self, call: str, lost: Handle) -> None:
-        if call == "encode_prompt" and self.prompt is lost:
+    def reissue(self, call: StageCall, lost: Handle) -> None:
+        if call is StageCall.ENCODE_PROMPT and self.prompt is lost:
             self.prompt = self._encode_prompt()
-        elif call == "encode_image" and self.image_latents is lost:
+        elif call is StageCall.ENCODE_IMAGE and self.image_latents is lost:
             self.image_latents = self.stages.encode_image(self.request_id, self.image)
 
     def cancel(self) -> None:
@@ -230,10 +228,10 @@ async def _run_image(
                     async for event in stages.denoise(call_id, params, prompt, image_latents):
                         if isinstance(event, StepDone):
                             emit(Progress(index, event.step, event.total))
-                        elif isinstance(event, PreviewReady):
-                            previews.decode(call_id, event.latents)
+                        elif isinstance(event, Preview):
+                            previews.decode(call_id, event.result)
                         else:
-                            latents = event.latents
+                            latents = event.result
                 result = await stages.decode(call_id, latents, output)
                 await previews.finish()  # previews come before the image
                 emit(ImageDone(index, result))
@@ -244,9 +242,9 @@ async def _run_image(
                     raise
                 logger.warning("request %s: %s; issuing it again (retry %d of %d)", image_id, lost, retries,
                                max_retries)
-                if lost.call != "decode":  # the latents are gone or were never made: denoise again
+                if lost.call is not StageCall.DECODE:  # the latents are gone or were never made: denoise again
                     latents = None
-                inputs.reissue(lost.call, prompt if lost.call == "encode_prompt" else image_latents)
+                inputs.reissue(lost.call, prompt if lost.call is StageCall.ENCODE_PROMPT else image_latents)
                 await asyncio.sleep(0.2 * retries)  # let Serve notice the dead replica before the retry is routed
     except OmniRayError as err:
         emit(Failed(err))
@@ -284,7 +282,7 @@ class _Previews:
         if before is not None:
             await before
         if result is not None:
-            self.emit(Preview(self.index, number, result))
+            self.emit(ImagePreview(self.index, number, result))
 
     async def finish(self) -> None:
         """Waits until every preview so far is out (or skipped)."""
@@ -293,3 +291,27 @@ class _Previews:
     def cancel(self) -> None:
         for task in self.decodes + self.emitted:
             task.cancel()
+
+
+async def read_step_stream(
+    items: AsyncIterator[Any], fetch: Callable[[Any], Awaitable[Any]]
+) -> AsyncIterator[DenoiseEvent]:
+    """A stepping stage's stream as sent over a wire that yields ``StepDone`` and then, unwrapped, the payload the
+    step announced (``StepDone.follows``), read into typed items. ``fetch`` reads a ``StepDone`` (an object
+    reference's value, say); the payloads are never fetched, only wrapped, so a large result stays where it is."""
+    async for item in items:
+        step: StepDone = await fetch(item)
+        yield step
+        if step.follows is Follows.PREVIEW:
+            yield Preview(await anext(items))
+        elif step.follows is Follows.RESULT:
+            yield Finished(await anext(items))
+            return
+    raise EngineError("the stream ended before its result")
+
+
+async def write_step_stream(items: AsyncIterator[DenoiseEvent]) -> AsyncIterator[Any]:
+    """The typed stream as ``read_step_stream`` reads it: each ``StepDone``, then a preview's or the result's payload
+    unwrapped."""
+    async for item in items:
+        yield item if isinstance(item, StepDone) else item.result

@@ -8,19 +8,28 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> pathlib.Path:
     """The tiny checkpoint (seed 0), built once per test session; tests never depend on a user's cache."""
-    from omni_ray.tiny import write_checkpoint
+    from omni_ray.checkpoints.tiny import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
 def edit_dir(tmp_path_factory) -> pathlib.Path:
-    """The tiny edit checkpoint (seed 0), written by the command users run: `python -m omni_ray.tiny --edit DIR`."""
-    from omni_ray.tiny import main
+    """The tiny edit checkpoint (seed 0), written by the command users run:
+    `python -m omni_ray.checkpoints.tiny --edit DIR`."""
+    from omni_ray.checkpoints.tiny import main
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny-edit"
     main([str(out), "--edit"])
     return out
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_dir):
+    """The tiny checkpoint's DiT runner, one per test module (the engine and cache tests)."""
+    from omni_ray.runners.denoise import DenoiseRunner
+
+    return DenoiseRunner.load(str(tiny_dir))
 
 
 def encode_all(core, requests) -> tuple[dict, int]:

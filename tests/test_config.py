@@ -2,10 +2,10 @@ import json
 
 import pytest
 import yaml
-
-from omni_ray.config import ConfigError, PipelineConfig, load_config, parse_config
-
 from conftest import REPO
+
+from omni_ray import checkpoints
+from omni_ray.config import ConfigError, PipelineConfig, load_config, parse_config
 
 PRESETS = REPO / "stage_configs"
 
@@ -86,17 +86,19 @@ def test_missing_model_directory_is_rejected(tiny_dir, model):
         parse_config(data)
 
 
-def test_tiny_preset_builds_its_checkpoint_when_missing(tiny_dir, tmp_path):
+def test_a_missing_tiny_checkpoint_is_built_by_ensure_not_by_parsing(tiny_dir, tmp_path):
     data = tiny_preset(tiny_dir)
     data["model"] = str(tmp_path / "built")
     config = parse_config(data)
-    assert (tmp_path / "built" / "model_index.json").is_file() and config.model == str(tmp_path / "built")
+    assert not (tmp_path / "built").exists() and config.model == str(tmp_path / "built")
+    assert checkpoints.ensure(config) == config
+    assert (tmp_path / "built" / "model_index.json").is_file()
 
 
 def test_tiny_edit_preset_builds_an_edit_checkpoint_when_missing(tmp_path):
     data = yaml.safe_load((PRESETS / "qwen_image_edit_tiny.yaml").read_text())
     data["model"] = str(tmp_path / "built")
-    config = parse_config(data)
+    config = checkpoints.ensure(parse_config(data))
     index = json.loads((tmp_path / "built" / "model_index.json").read_text())
     assert index["_class_name"] == "QwenImageEditPipeline" and (tmp_path / "built" / "processor").is_dir()
     assert config.edit.image_area == 128 * 128
@@ -139,7 +141,7 @@ def test_every_preset_validates():
 
 
 def test_deployment_options_carry_threads_and_custom_resources(tiny_dir):
-    from deployments.app import deployment_options
+    from omni_ray.serve.app import deployment_options
 
     data = tiny_preset(tiny_dir)
     data["dit"]["deployment"]["resources"] = {"omni_dit_node": 1}

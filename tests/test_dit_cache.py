@@ -9,21 +9,21 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from diffusers.hooks import FirstBlockCacheConfig
 
+from omni_ray.api.planning import plan_request
+from omni_ray.api.schema import parse_request
 from omni_ray.config import CacheSettings, load_config, parse_config
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.errors import RequestError
 from omni_ray.pipeline import Pipeline
-from omni_ray.protocol import parse_request, plan_request
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest
-from omni_ray.stages.dit_cache import BranchCache, cached_forward
-from omni_ray.stages.encode import PromptEncoder
-
-from conftest import REPO
-from test_dit_engine import TOLERANCE, run_to_completion, runner  # noqa: F401 (runner: the fixture)
+from omni_ray.records import DenoiseParams, DenoiseRequest
+from omni_ray.runners.dit_cache import BranchCache, cached_forward
+from testing.engines import TOLERANCE, run_to_completion
+from testing.reference import PromptEncoder
 
 PROMPTS = ["a red cat", "an oil painting of a lighthouse on a cliff at sunset", "a cup", "a kite over a beach"]
 NEGATIVES = ["blurry", "low quality", "dark, noisy, ugly, bad anatomy, watermark", " "]
@@ -53,7 +53,8 @@ def denoise(runner, requests, max_batch_size=8):
 
 def request(embeds, i, cache, steps=8, cfg=True, seed=None):
     prompts, negatives = embeds
-    params = DenoiseParams(64, 64, steps, seed=100 + i if seed is None else seed, true_cfg_scale=4.0, cache=cache)
+    params = DenoiseParams(64, 64, steps, seed=100 + i if seed is None else seed, true_cfg_scale=4.0, cache=cache,
+                           true_cfg=cfg)
     return DenoiseRequest(f"r{i}-{cache}", params, prompts[i], negatives[i] if cfg else None)
 
 
@@ -134,7 +135,8 @@ def test_a_batch_mixing_kinds_and_thresholds_keeps_each_requests_result(runner, 
 
 def test_each_cfg_pass_decides_on_its_own_residual(runner, embeds):
     """The conditional and unconditional passes of one request keep apart caches: their decisions differ here."""
-    state = runner.prepare(DenoiseParams(64, 64, 12, 5, 4.0, first_block(1.0)), embeds[0][1], embeds[1][2])
+    params = DenoiseParams(64, 64, 12, 5, 4.0, first_block(1.0), true_cfg=True)
+    state = runner.prepare(params, embeds[0][1], embeds[1][2])
     decisions = []
     while not state.is_finished:
         before = [c.reused for c in state.caches]

@@ -9,14 +9,14 @@ from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.errors import EngineError
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
-from omni_ray.stages.encode import PromptEmbeds, PromptEncoder
+from omni_ray.records import DenoiseParams, DenoiseRequest, PromptEmbeds
+from testing.engines import TOLERANCE, run_to_completion
+from testing.reference import PromptEncoder
 
 # Batched rows pad their text to the batch's longest (prompt or negative) with a mask. That moves the image tokens'
 # keys to other positions in the joint attention, which changes the order of float sums: rounding only, measured
 # at most 9e-6 on one machine and 1.24e-5 on another (AMD EPYC, same torch) on latents of magnitude 8 after 4 CFG
 # steps: about 1.5e-6 relative, a dozen float32 ulps. Padding-free rows match exactly.
-TOLERANCE = 2e-5
 
 PROMPTS = [
     "a red cat",
@@ -30,29 +30,13 @@ SCALES = [4.0, 2.5, 6.0, 4.0]
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_dir):
-    return DenoiseRunner.load(str(tiny_dir))
-
-
-@pytest.fixture(scope="module")
 def requests(tiny_dir):
     encoder = PromptEncoder(str(tiny_dir))
     prompts, negatives = encoder.encode(PROMPTS), encoder.encode(NEGATIVES)
     return [
-        DenoiseRequest(f"r{i}", DenoiseParams(64, 64, STEPS[i], seed=100 + i, true_cfg_scale=SCALES[i]), p, n)
+        DenoiseRequest(f"r{i}", DenoiseParams(64, 64, STEPS[i], 100 + i, SCALES[i], true_cfg=True), p, n)
         for i, (p, n) in enumerate(zip(prompts, negatives))
     ]
-
-
-def run_to_completion(core, max_steps=50):
-    results, batches = {}, []
-    for _ in range(max_steps):
-        if not core.has_unfinished_requests() and not core.scheduler.has_requests():
-            break
-        outputs = core.step()
-        batches.append(sorted({o.request_id for o in outputs}))
-        results.update({o.request_id: o.pooling_output for o in outputs if o.finish_reason == "stop"})
-    return results, batches
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +96,7 @@ def test_a_request_that_fails_inside_the_step_fails_alone(runner, requests, solo
     core = EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner)
     # Same batch key as r0, but embeddings of the wrong width: the batched forward raises.
     bad = DenoiseRequest("bad", requests[0].params, PromptEmbeds(torch.ones(5, 32)), requests[0].negative)
-    unprepared = DenoiseRequest("unprepared", DenoiseParams(64, 64, 0, seed=1, true_cfg_scale=4.0),
+    unprepared = DenoiseRequest("unprepared", DenoiseParams(64, 64, 0, seed=1, true_cfg_scale=4.0, true_cfg=True),
                                 requests[0].prompt, requests[0].negative)
     for request in (requests[0], bad, unprepared):
         core.add_request(request)

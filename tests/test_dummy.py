@@ -1,4 +1,5 @@
-"""`weights: dummy`: a weightless Qwen-Image (omni_ray.dummy) served by the real engines with random weights."""
+"""`weights: dummy`: a weightless Qwen-Image (omni_ray.checkpoints.dummy) served by the real engines with random
+weights."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import json
 import numpy as np
 import pytest
 import yaml
-
 from conftest import REPO
+
+from omni_ray.checkpoints.dummy import write_dummy_checkpoint
+from omni_ray.checkpoints.tiny import SPECIAL_TOKENS
 from omni_ray.config import ConfigError, load_config, parse_config
-from omni_ray.dummy import write_dummy_checkpoint
-from omni_ray.tiny import SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def reduced(tmp_path_factory):
 def test_the_dummy_checkpoint_has_the_configs_and_a_tokenizer_with_qwen_s_ids_but_no_weights(reduced):
     from transformers import AutoTokenizer
 
-    from omni_ray.stages.encode import PromptTokenizer
+    from omni_ray.runners.tokenizer import PromptTokenizer
 
     assert not list(reduced.rglob("*.safetensors"))
     assert json.loads((reduced / "transformer/config.json").read_text())["num_layers"] == 1
@@ -68,10 +69,10 @@ def test_a_reduced_dummy_app_runs_every_stage_and_returns_an_image(reduced):
 @pytest.mark.vllm  # the encoder is vLLM's, with its vision tower, in this process
 def test_a_reduced_dummy_edit_app_edits_an_image(tmp_path):
     """Qwen-Image-Edit's layout without weights: vLLM's dummy load format builds the vision tower too."""
+    from omni_ray.api.images import load_input_image
     from omni_ray.pipeline import Pipeline
-    from omni_ray.protocol import load_input_image
-    from reference import source_image
-    from test_edit import png
+    from testing.reference import source_image
+    from testing.serving import file_bytes as png
 
     model = write_dummy_checkpoint(tmp_path / "qwen-image-edit-1-layer", layers=1, edit=True)
     assert json.loads((model / "model_index.json").read_text())["_class_name"] == "QwenImageEditPipeline"

@@ -6,21 +6,23 @@ import io
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from PIL import Image
 
+from omni_ray.api.images import load_input_image, working_size
+from omni_ray.api.planning import plan_request
+from omni_ray.api.schema import parse_request
 from omni_ray.config import ConfigError, load_config
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.errors import PayloadTooLargeError, RequestError
-from reference import ReferencePipeline
-from omni_ray.protocol import load_input_image, parse_request, plan_request, working_size
-from reference import load_reference, reference_edit, source_image
-from omni_ray.stages.decode import DecodeRequest, ImageEncodeRequest, VaeRunner
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
-from omni_ray.stages.encode import EDIT, PromptEncoder
-
-from conftest import REPO
+from omni_ray.qwen_image import EDIT
+from omni_ray.records import DecodeRequest, DenoiseParams, DenoiseRequest, ImageEncodeRequest
+from omni_ray.runners.decode import VaeRunner
+from omni_ray.runners.denoise import DenoiseRunner
+from testing.reference import PromptEncoder, ReferencePipeline, load_reference, reference_edit, source_image
+from testing.serving import file_bytes as png
 
 PRESET = REPO / "stage_configs/qwen_image_edit_tiny.yaml"
 
@@ -38,12 +40,6 @@ def reference(edit_dir):
 @pytest.fixture(scope="module")
 def local(config):
     return ReferencePipeline(config)
-
-
-def png(image: Image.Image, format: str = "PNG") -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=format)
-    return buffer.getvalue()
 
 
 CASES = {
@@ -211,7 +207,7 @@ def test_an_oversized_image_is_a_413(config):
 
 
 def test_edit_plans_take_form_fields_and_count_the_image_tokens(config, edit_dir):
-    from omni_ray.stages.encode import PromptTokenizer
+    from omni_ray.runners.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(str(edit_dir), EDIT)
     pixels = load_input_image(png(source_image(180, 100, 0)), config)

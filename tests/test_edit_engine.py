@@ -7,16 +7,16 @@ import io
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, encode_all
 from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+from omni_ray.api.images import load_input_image
 from omni_ray.config import load_config
 from omni_ray.pipeline import Pipeline
-from omni_ray.protocol import load_input_image
-from reference import load_reference, reference_edit, source_image
-from omni_ray.stages.encode import EDIT, EncodeRequest
-
-from conftest import REPO, encode_all
+from omni_ray.qwen_image import EDIT
+from omni_ray.records import EncodeRequest
+from testing.reference import load_reference, reference_edit, source_image
 
 pytestmark = pytest.mark.vllm
 

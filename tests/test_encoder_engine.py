@@ -5,13 +5,12 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, encode_all
 from diffusers import QwenImagePipeline
 
 from omni_ray.config import load_config
 from omni_ray.pipeline import Pipeline
-from omni_ray.stages.encode import EncodeRequest
-
-from conftest import REPO, encode_all
+from omni_ray.records import EncodeRequest
 
 pytestmark = pytest.mark.vllm
 

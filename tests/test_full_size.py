@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
-from omni_ray.full_size import CONFIG_DIR, PUBLISHED_PARAMS
+
+from omni_ray.checkpoints.full_size import CONFIG_DIR
+from omni_ray.qwen_image import PUBLISHED_PARAMS
 
 
 def test_gpu_dry_run_builds_the_full_size_models_with_the_published_parameter_counts(tmp_path):

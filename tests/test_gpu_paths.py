@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lora_files import make_adapter
-from omni_ray.config import LoraRef
-from omni_ray.stages.decode import VaeRunner
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRunner
-from omni_ray.stages.encode import PromptEmbeds
-from omni_ray.stages.lora import read_lora
-from test_dit_engine import TOLERANCE
+from omni_ray.records import DenoiseParams, LoraRef, PromptEmbeds
+from omni_ray.runners.decode import VaeRunner
+from omni_ray.runners.denoise import DenoiseRunner
+from omni_ray.runners.lora import read_lora
+from testing.engines import TOLERANCE
+from testing.lora_files import make_adapter
 
 
 def denoise(runner: DenoiseRunner, loras: list, steps: int = 2) -> list[torch.Tensor]:
@@ -21,7 +20,7 @@ def denoise(runner: DenoiseRunner, loras: list, steps: int = 2) -> list[torch.Te
     generator = torch.Generator().manual_seed(0)
     dim = runner.transformer.config.joint_attention_dim
     prompt, negative = (PromptEmbeds(torch.randn(length, dim, generator=generator)) for length in (12, 9))
-    states = [runner.prepare(DenoiseParams(64, 64, steps, seed=0, true_cfg_scale=4.0, lora=lora), prompt, negative)
+    states = [runner.prepare(DenoiseParams(64, 64, steps, 0, 4.0, lora=lora, true_cfg=True), prompt, negative)
               for lora in loras]
     for _ in range(steps):
         runner.step(states)

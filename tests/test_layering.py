@@ -1,37 +1,115 @@
-"""omni_ray/engine and omni_ray/stages run without Ray: they never import it, directly or through another module."""
+"""The layers import one way (DESIGN.md's table): no import cycle in the package; the request path and the API import
+with torch, model code and Ray all unavailable; the engine and the runners never import Ray; the scheduler and
+request-path tests load no model code; loading a preset writes nothing."""
 
 import ast
+import pathlib
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
-RAY_FREE = ["omni_ray/engine", "omni_ray/stages"]
+HEAVY = ("torch", "diffusers", "transformers", "vllm", "ray")
+MODEL_CODE = ("diffusers", "transformers", "vllm")
 
 
-def _imports(path) -> set[str]:
+def _modules(folder: str) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every module under ``folder``."""
+    return {".".join(f.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): f
+            for f in sorted((REPO / folder).rglob("*.py"))}
+
+
+def _imported(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The modules ``path`` imports, anywhere in it (a function's lazy import too); ``from a import b`` names the
+    module ``a.b`` when there is one."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if full in known else node.module)
     return names
 
 
-def test_no_module_imports_ray():
-    files = [f for folder in RAY_FREE for f in sorted((REPO / folder).rglob("*.py"))]
-    assert any("stages" in str(f) for f in files)
-    offenders = [str(f.relative_to(REPO)) for f in files if "ray" in _imports(f)]
-    assert offenders == []
+def _run_blocking(blocked: tuple[str, ...], code: str) -> subprocess.CompletedProcess:
+    block = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+    return subprocess.run([sys.executable, "-c", block + code], capture_output=True, text=True, cwd=REPO)
 
 
-def test_stage_modules_import_with_ray_unavailable():
-    modules = sorted(
-        ".".join(f.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        for folder in RAY_FREE
-        for f in (REPO / folder).rglob("*.py")
-    )
-    code = "import sys; sys.modules['ray'] = None\n" + "\n".join(f"import {m}" for m in modules)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+def test_no_import_cycle_in_the_package():
+    modules = _modules("omni_ray")
+    graph = {name: {m for m in _imported(path, set(modules)) if m in modules and m != name}
+             for name, path in modules.items()}
+    cycles, done, stack = [], set(), []
+
+    def visit(name):
+        if name in stack:
+            cycles.append(stack[stack.index(name):] + [name])
+            return
+        if name in done:
+            return
+        stack.append(name)
+        for dependency in sorted(graph[name]):
+            visit(dependency)
+        stack.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+    assert len(graph) > 40 and cycles == []
+
+
+@pytest.mark.parametrize("folder", ["omni_ray/engine", "omni_ray/runners"])
+def test_engine_and_runners_never_import_ray(folder):
+    modules = _modules(folder)
+    offenders = [name for name, path in modules.items()
+                 if any(m.split(".")[0] == "ray" for m in _imported(path, set()))]
+    assert modules and offenders == []
+    result = _run_blocking(("ray",), "".join(f"import {name}\n" for name in modules))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_request_path_and_the_api_import_without_torch_model_code_or_ray():
+    modules = ["omni_ray.request_path", "omni_ray.records", *_modules("omni_ray/api")]
+    code = "".join(f"import {name}\n" for name in modules)
+    result = _run_blocking(HEAVY, code + "print(sorted(m for m in sys.modules if m.startswith('omni_ray')))")
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = eval(result.stdout)
+    assert "omni_ray.api.client" in loaded and not [m for m in loaded if m.startswith(("omni_ray.runners",
+                                                                                       "omni_ray.engine"))]
+
+
+@pytest.mark.parametrize("test_module", ["test_schedulers", "test_request_path"])
+def test_scheduler_and_request_path_tests_load_no_model_code(test_module):
+    code = (f"sys.path[:0] = ['tests', '.']\nimport {test_module}\n"
+            "print(sorted(m for m in sys.modules if m.startswith('omni_ray.runners')))")
+    result = _run_blocking(MODEL_CODE, code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_loading_every_preset_writes_nothing(tmp_path):
+    """Presets whose checkpoint is missing name a directory under HOME: loading them must not build it."""
+    presets = sorted((REPO / "stage_configs").glob("*.yaml"))
+    code = (
+        "import os, pathlib\n"
+        "from omni_ray.config import load_config\n"
+        f"for path in {[str(p) for p in presets]!r}:\n"
+        "    load_config(path)\n"
+        "print(sorted(str(p) for p in pathlib.Path(os.environ['HOME']).rglob('*')))\n"
+    )
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
+    assert len(presets) >= 8 and result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_coordinator_replica_loads_no_model_code():
+    """A coordinator replica imports its class's module: the tokenizer, but no diffusers, vLLM or model classes."""
+    result = _run_blocking(("diffusers", "vllm"), "import omni_ray.serve.coordinator\n"
+                           "print(sorted(m for m in sys.modules if m.startswith('omni_ray.runners')))")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert eval(result.stdout) == ["omni_ray.runners", "omni_ray.runners.tokenizer"]

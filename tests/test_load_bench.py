@@ -7,12 +7,12 @@ import itertools
 import json
 
 import pytest
+from conftest import REPO
 
 from benchmarks import load
 from benchmarks.scale import bottleneck
-from conftest import REPO
+from omni_ray.api.planning import plan_request
 from omni_ray.config import load_config
-from omni_ray.protocol import plan_request
 
 
 def test_the_mix_spans_sizes_steps_cfg_n_and_streaming_and_each_body_is_valid(tiny_dir):

@@ -9,19 +9,20 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
-from lora_files import make_adapter, to_kohya
-from omni_ray.config import LoraRef, load_config
+from omni_ray.config import load_config
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.errors import EngineError, NotFoundError, RequestError
 from omni_ray.pipeline import Pipeline
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, DenoiseRunner
-from omni_ray.stages.encode import PromptEncoder
-from omni_ray.stages.lora import read_lora
-from conftest import REPO
-from test_dit_engine import TOLERANCE, run_to_completion  # the base model's batching: a dozen float32 ulps here
+from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
+from omni_ray.runners.denoise import DenoiseRunner
+from omni_ray.runners.lora import read_lora
+from testing.engines import TOLERANCE, run_to_completion  # the base model's batching: a dozen float32 ulps here
+from testing.lora_files import make_adapter, to_kohya
+from testing.reference import PromptEncoder
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +87,9 @@ def test_a_request_with_an_adapter_equals_diffusers_load_lora_weights(tiny_dir, 
 def test_edits_take_adapters_too(edit_dir, tmp_path):
     """The edit preset's DiT (the input image's tokens beside the noisy ones) with an adapter equals diffusers'
     QwenImageEditPipeline after load_lora_weights."""
-    from omni_ray.protocol import load_input_image
-    from reference import load_reference, reference_edit, source_image
-    from test_edit import png
+    from omni_ray.api.images import load_input_image
+    from testing.reference import load_reference, reference_edit, source_image
+    from testing.serving import file_bytes as png
 
     adapter = str(make_adapter(edit_dir, tmp_path / "E", rank=4, alpha=4, seed=3))
     config = load_config(REPO / "stage_configs" / "qwen_image_edit_tiny.yaml", model=str(edit_dir))
@@ -131,7 +132,7 @@ def test_a_step_batch_of_different_adapters_equals_each_alone(tiny_dir, adapters
     choices = [LoraRef("A", adapters["A"], 1.0), LoraRef("B", adapters["B"], 0.8), None,
                LoraRef("A", adapters["A"], 0.4)]
     caches = [None, CacheSettings(kind="first_block", threshold=0.2), None, None]
-    requests = [DenoiseRequest(f"r{i}", DenoiseParams(64, 64, 4, seed=7, true_cfg_scale=4.0, cache=caches[i],
+    requests = [DenoiseRequest(f"r{i}", DenoiseParams(64, 64, 4, 7, 4.0, caches[i], true_cfg=True,
                                                        lora=choices[i]), prompts[i], negatives[i])
                 for i in range(4)]
 
@@ -176,7 +177,7 @@ def test_broken_and_mismatched_files_are_refused_naming_lora_path(tiny_dir, adap
 def test_each_row_adds_its_own_update_exactly():
     """One adapted layer: a batch of rows with adapters A, B (another rank), none, and A at another scale gives each
     row bit for bit what the row gives alone; a row without an adapter gets the base layer's output."""
-    from omni_ray.stages.lora import LoraLayer, LoraTable
+    from omni_ray.runners.lora import LoraLayer, LoraTable
 
     generator = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96))
@@ -198,11 +199,12 @@ def test_each_row_adds_its_own_update_exactly():
 
 
 class FakeDiT:
-    """An AsyncEngine's ``call`` over a runner that only records adapters: residency is the subject here."""
+    """An AsyncEngine's ``call`` over a DiT core that only records adapters: residency is the subject here."""
+
+    lora_shapes: dict = {}
 
     def __init__(self):
-        self.core = type("Core", (), {})()
-        self.core.runner = self
+        self.core = self
         self.held: set = set()
         self.log: list = []
 
@@ -228,7 +230,7 @@ def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
 
     async def scenario():
         dit = FakeDiT()
-        residency = LoraResidency(dit, max_loras=2, shapes={}, reader=reader)
+        residency = LoraResidency(dit, max_loras=2, reader=reader)
         ref = {name: LoraRef(name, name.lower()) for name in "ABCD"}
         async with residency.use(ref["A"]):
             async with residency.use(ref["B"]):

@@ -8,11 +8,11 @@ import time
 import urllib.request
 
 import yaml
-
-from benchmarks.load import scrape, total
 from conftest import REPO
-from deployments.local import LocalServe
-from lora_files import make_adapter
+
+from testing.local_serve import LocalServe
+from testing.lora_files import make_adapter
+from testing.serving import scrape, total
 
 
 def post(url: str, body: dict) -> dict:

@@ -9,11 +9,11 @@ import sys
 import psutil
 import pytest
 import yaml
-
 from conftest import REPO
-from deployments.local import LocalServe
-from omni_ray.client import connect_ray
-from test_serve import expected, png, post, stage_stats, within_one_level
+
+from omni_ray.api.client import connect_ray
+from testing.local_serve import LocalServe
+from testing.serving import expected, png, post, stage_stats, within_one_level
 
 pytestmark = pytest.mark.serve
 

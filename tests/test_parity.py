@@ -12,13 +12,13 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
 from omni_ray.config import load_config
-from reference import ReferencePipeline
-from omni_ray.stages.denoise import DenoiseParams
-
-from conftest import REPO
+from omni_ray.records import DenoiseParams
+from omni_ray.runners.denoise import DenoiseRunner
+from testing.reference import ReferencePipeline
 
 LONG = "an oil painting of a lighthouse on a cliff at sunset, waves crashing against the rocks below"
 
@@ -81,11 +81,11 @@ def test_stage_records_equal_diffusers(reference, ours):
 
     negative_embeds = ours.encoder.encode(negative)
     states = [
-        ours.denoiser.prepare(DenoiseParams(64, 64, 3, seed, 4.0), p, n)
+        ours.denoiser.prepare(DenoiseParams(64, 64, 3, seed, 4.0, true_cfg=True), p, n)
         for p, n, seed in zip(embeds, negative_embeds, [5, 6])
     ]
     for _ in range(3):
-        ours.denoiser.step(states, fuse_cfg=False)
+        ours.denoiser.step(states)  # CFG's passes apart, as diffusers runs them
     latents = [ours.denoiser.finish(state) for state in states]
     expected_latents = diffusers_images(reference, prompts, [5, 6], 64, 64, 3, negative, output_type="latent")
     assert torch.equal(torch.stack([item.latents for item in latents]), expected_latents)
@@ -98,11 +98,12 @@ def test_fused_cfg_forward_stays_within_float_noise_of_diffusers(reference, ours
     passes by rounding only: measured 1e-5 absolute on values of order 3 after 4 steps (about 3e-6 relative).
     """
     prompt, negative = ours.encoder.encode([LONG]), ours.encoder.encode(["blurry"])
-    state = ours.denoiser.prepare(DenoiseParams(64, 64, 4, 9, 4.0), prompt[0], negative[0])
+    fused = DenoiseRunner(ours.denoiser.transformer, ours.denoiser.scheduler_config)  # the engine's runner
+    state = fused.prepare(DenoiseParams(64, 64, 4, 9, 4.0, true_cfg=True), prompt[0], negative[0])
     for _ in range(4):
-        ours.denoiser.step([state], fuse_cfg=True)
+        fused.step([state])
     expected = diffusers_images(reference, [LONG], [9], 64, 64, 4, ["blurry"], output_type="latent")[0]
-    got = ours.denoiser.finish(state).latents
+    got = fused.finish(state).latents
     assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
 

@@ -6,10 +6,10 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from conftest import REPO
+
 from omni_ray.config import load_config
-from omni_ray.request_path import ImageDone, Preview, Progress, preview_steps
+from omni_ray.request_path import ImageDone, ImagePreview, Progress, preview_steps
 
 
 def test_preview_steps_are_spread_before_the_last():
@@ -37,11 +37,11 @@ def test_partial_images_come_before_each_image_and_move_towards_it(tiny_dir):
         plain = asyncio.run(events(body))  # not streamed: no previews
     finally:
         pipeline.shutdown()
-    assert not [e for e in plain if isinstance(e, Preview)]
+    assert not [e for e in plain if isinstance(e, ImagePreview)]
     for index in range(2):
         mine = [e for e in streamed if getattr(e, "index", None) == index]
         kinds = [type(e).__name__ for e in mine if not isinstance(e, Progress)]
-        assert kinds == ["Preview", "Preview", "ImageDone"], kinds
+        assert kinds == ["ImagePreview", "ImagePreview", "ImageDone"], kinds
         first, second, done = (e for e in mine if not isinstance(e, Progress))
         assert (first.partial_index, second.partial_index) == (0, 1)
         final = done.result.pixels.astype(int)

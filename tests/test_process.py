@@ -5,7 +5,8 @@ import multiprocessing
 import os
 import time
 
-from deployments.process import cpu_steal_s, cpu_wait_s
+from benchmarks.load import cpu_steal_s
+from omni_ray.serve.process import cpu_wait_s
 
 
 def test_cpu_wait_counts_the_time_a_ready_thread_waits_for_a_cpu():

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from omni_ray.protocol import B64_CHUNK, b64encode, encode_image, json_bytes
-from omni_ray.stages.simulated import photo_like
+from omni_ray.api.images import write_image_file
+from omni_ray.api.responses import B64_CHUNK, b64encode, json_bytes
+from omni_ray.runners.simulated import photo_like
 
 
 def test_png_keeps_every_pixel_at_about_the_default_size():
     pixels = photo_like(256, 384, variant=1)
-    png = encode_image(pixels, "png")
+    png = write_image_file(pixels, "png")
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), pixels)
     default = io.BytesIO()
     Image.fromarray(pixels).save(default, format="PNG")
@@ -45,14 +46,16 @@ def test_json_with_spliced_images_equals_json_dumps():
 @pytest.fixture(scope="module")
 def tiny_config(tiny_dir):
     from conftest import REPO
+
     from omni_ray.config import load_config
 
     return load_config(REPO / "stage_configs" / "qwen_image_tiny.yaml", model=str(tiny_dir))
 
 
 def test_openai_image_parameters_map_or_are_refused_naming_the_field(tiny_config):
+    from omni_ray.api.planning import plan_request
+    from omni_ray.api.responses import images_response
     from omni_ray.errors import NotFoundError, RequestError
-    from omni_ray.protocol import images_response, plan_request
 
     def plan(**fields):
         return plan_request({"prompt": "a cat", **fields}, tiny_config)

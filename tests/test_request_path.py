@@ -3,98 +3,16 @@ fan-out, retries of lost calls, failures, the deadline and cancellation. The eng
 test_serve.py runs the same path over the real stage deployments."""
 
 import asyncio
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from omni_ray.api.planning import GenerationPlan
+from omni_ray.api.schema import parse_request
 from omni_ray.config import RequestLimits
-from omni_ray.engine.output import StepDone
-from omni_ray.errors import DeadlineExceededError, EngineError, OverloadedError, StageLostError
-from omni_ray.protocol import GenerationPlan, parse_request
-from omni_ray.request_path import Failed, ImageDone, LatentsReady, Progress, Stages, collect, run_request
-from omni_ray.stages.decode import Decoded
-
-
-class Call:
-    """A started call's handle: what the fake stage was asked, and whether it was cancelled."""
-
-    def __init__(self, name, args):
-        self.name, self.args, self.cancelled = name, args, False
-
-    def __repr__(self):
-        return f"Call({self.name})"
-
-
-class FakeStages(Stages):
-    """Records every call. ``lose`` maps a call name to how many of its calls are lost with their replica (a lost
-    encode_prompt surfaces in the denoise that reads it, as across Ray); ``fail`` to an error every such call raises;
-    ``hang`` names a call that never ends."""
-
-    def __init__(self, lose=None, fail=None, hang=None):
-        self.lose, self.fail, self.hang = dict(lose or {}), dict(fail or {}), hang
-        self.calls: list[Call] = []
-        self.lost: set[int] = set()  # ids of handles whose result was lost
-
-    def _call(self, name, *args) -> Call:
-        call = Call(name, args)
-        self.calls.append(call)
-        return call
-
-    def _loses(self, name) -> bool:
-        if self.lose.get(name, 0) > 0:
-            self.lose[name] -= 1
-            return True
-        return False
-
-    def calls_to(self, name):
-        return [call for call in self.calls if call.name == name]
-
-    def put_image(self, image):
-        return self._call("put_image", image)
-
-    def encode_prompt(self, request, image):
-        call = self._call("encode_prompt", request, image)
-        if self._loses("encode_prompt"):
-            self.lost.add(id(call))
-        return call
-
-    def encode_image(self, request_id, image):
-        return self._call("encode_image", request_id, image)
-
-    async def _run(self, call: Call):
-        if call.name in self.fail:
-            raise self.fail[call.name]
-        if self.hang == call.name:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                call.cancelled = True
-                raise
-
-    async def denoise(self, request_id, params, prompt, image_latents):
-        call = self._call("denoise", request_id, params, prompt, image_latents)
-        if id(prompt) in self.lost:
-            raise StageLostError("encoder", "encode_prompt")
-        await self._run(call)
-        for step in range(1, params.num_inference_steps + 1):
-            await asyncio.sleep(0)
-            yield StepDone(step, params.num_inference_steps)
-        if self._loses("denoise"):
-            raise StageLostError("dit", "denoise")
-        yield LatentsReady(call)
-
-    async def decode(self, request_id, latents, output):
-        call = self._call("decode", request_id, latents, output)
-        await self._run(call)
-        if self._loses("decode"):
-            raise StageLostError("vae", "decode")
-        seed = latents.args[1].seed
-        return Decoded(pixels=np.full((2, 2, 3), seed, np.uint8) if output != "latents" else None, latents=None)
-
-    def cancel(self, handle):
-        handle.cancelled = True
-
+from omni_ray.errors import DeadlineExceededError, EngineError, OverloadedError, StageCall, StageLostError
+from omni_ray.request_path import Failed, ImageDone, Progress, collect, run_request
+from testing.fake_stages import FakeStages
 
 LIMITS = RequestLimits(default_width=64, default_height=64, min_side=32, max_side=512, timeout_s=5.0)
 
@@ -236,49 +154,49 @@ def test_stage_errors_from_ray_name_the_lost_call():
     from ray.exceptions import ActorDiedError
     from ray.serve.exceptions import BackPressureError, RayServeException
 
-    from deployments.serve_stages import stage_error
+    from omni_ray.serve.serve_stages import stage_error
 
     died = ActorDiedError()
     upstream = RayServeException("Request to deployment 'DiT' failed because an upstream actor died")
     upstream.__cause__ = died
     for err in (died, upstream):
-        mapped = stage_error(err, "dit", "denoise")
-        assert isinstance(mapped, StageLostError) and mapped.call == "denoise" and mapped.stage == "dit"
-    full = stage_error(BackPressureError(num_queued_requests=8, max_queued_requests=8), "vae", "decode")
+        mapped = stage_error(err, "dit", StageCall.DENOISE)
+        assert isinstance(mapped, StageLostError) and mapped.call is StageCall.DENOISE and mapped.stage == "dit"
+    full = stage_error(BackPressureError(num_queued_requests=8, max_queued_requests=8), "vae", StageCall.DECODE)
     assert isinstance(full, OverloadedError) and not isinstance(full, StageLostError) and full.stage == "vae"
-    assert stage_error(EngineError("bad", "vae"), "dit", "denoise").stage == "vae"  # a stage's own error passes
+    assert stage_error(EngineError("bad", "vae"), "dit", StageCall.DENOISE).stage == "vae"  # a stage's own error passes
 
 
 def test_a_503_carries_retry_after():
     import json
 
-    from deployments.coordinator import _omni_ray_error
+    from omni_ray.serve.http import error_response
 
-    response = asyncio.run(_omni_ray_error(None, StageLostError("vae", "decode", retry_after_s=5.0)))
+    response = asyncio.run(error_response(None, StageLostError("vae", StageCall.DECODE, retry_after_s=5.0)))
     assert response.status_code == 503 and response.headers["retry-after"] == "5"
     body = json.loads(response.body)["error"]
     assert body["type"] == "overloaded_error" and body["message"].startswith("vae: the replica running decode")
 
 
 def test_an_image_sent_through_the_handle_to_a_text_to_image_app_is_refused(tiny_dir):
-    from deployments.coordinator import Coordinator
-    from omni_ray.config import load_config
-    from omni_ray.errors import RequestError
-    from omni_ray.stages.encode import PromptTokenizer
-
     from conftest import REPO
 
+    from omni_ray.config import load_config
+    from omni_ray.errors import RequestError
+    from omni_ray.runners.tokenizer import PromptTokenizer
+    from omni_ray.serve.ingress import Coordinator
+
     config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
-    fake = SimpleNamespace(config=config, tokenizer=PromptTokenizer(config.model), adapters={})
+    coordinator = Coordinator(FakeStages(), config, PromptTokenizer(config.model).num_tokens)
     with pytest.raises(RequestError, match="does not edit images") as info:
-        asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}, image=b"\x89PNG..."))
+        asyncio.run(coordinator.plan({"prompt": "a cat"}, image=b"\x89PNG..."))
     assert info.value.param == "image"
-    planned = asyncio.run(Coordinator.plan(fake, {"prompt": "a cat"}))
+    planned = asyncio.run(coordinator.plan({"prompt": "a cat"}))
     assert planned.image is None and planned.request.prompt == "a cat"
 
 
 @pytest.mark.parametrize("error", [
-    StageLostError("encoder", "encode_prompt", "the actor died", 5.0),
+    StageLostError("encoder", StageCall.ENCODE_PROMPT, "the actor died", 5.0),
     OverloadedError("out of memory", 5.0, "vae"),
     EngineError("RuntimeError: boom", "dit"),
     DeadlineExceededError("past its deadline"),

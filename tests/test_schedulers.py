@@ -4,16 +4,24 @@ import torch
 
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.vae_scheduler import VAEScheduler
-from omni_ray.stages.decode import Decoded, DecodeOutput, DecodeRequest
-from omni_ray.stages.denoise import DenoiseBatch, DenoiseOutput, DenoiseParams, DenoiseRequest, Latents
-from omni_ray.stages.encode import PromptEmbeds
+from omni_ray.records import (
+    Decoded,
+    DecodeOutput,
+    DecodeRequest,
+    DenoiseBatch,
+    DenoiseOutput,
+    DenoiseParams,
+    DenoiseRequest,
+    Latents,
+    PromptEmbeds,
+)
 
 SQUARE, WIDE = (64, 64), (64, 96)
 
 
 def request(request_id, steps, size=SQUARE, cfg=False):
     negative = PromptEmbeds(torch.zeros(2, 4)) if cfg else None
-    params = DenoiseParams(size[0], size[1], steps, seed=0, true_cfg_scale=4.0 if cfg else 1.0)
+    params = DenoiseParams(size[0], size[1], steps, seed=0, true_cfg_scale=4.0 if cfg else 1.0, true_cfg=cfg)
     return DenoiseRequest(request_id, params, PromptEmbeds(torch.zeros(3, 4)), negative)
 
 

@@ -1,9 +1,7 @@
 """End to end on a real local Ray cluster: `serve run` on the repository's config.yaml, then HTTP, the openai
 client and the Ray-handle client, with pixels checked against diffusers' QwenImagePipeline in this process."""
 
-import base64
 import concurrent.futures
-import io
 import json
 import time
 import urllib.error
@@ -12,30 +10,22 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-from benchmarks.load import scrape, total
 from conftest import REPO
-from deployments.local import LocalServe
-from omni_ray.client import connect_ray
+
+from omni_ray.api.client import connect_ray
+from testing.local_serve import LocalServe
+from testing.serving import (
+    assert_stops_within_10_s_leaving_no_vllm_file,
+    expected,
+    png,
+    post,
+    scrape,
+    stage_stats,
+    total,
+    within_one_level,
+)
 
 pytestmark = pytest.mark.serve
-def post(url: str, body, timeout: float = 300) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()  # json writes NaN as NaN, as some do
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def png(b64: str) -> np.ndarray:
-    image = Image.open(io.BytesIO(base64.b64decode(b64)))
-    assert image.format == "PNG"
-    return np.asarray(image)
-
-
 @pytest.fixture(scope="module")
 def served(tiny_dir):
     """`serve run` on the repository's config.yaml (a free port, the test checkpoint) on a fresh local cluster."""
@@ -48,18 +38,6 @@ def reference(tiny_dir):
     from diffusers import QwenImagePipeline
 
     return QwenImagePipeline.from_pretrained(tiny_dir)
-
-
-def expected(reference, prompt, seed, height, width, steps, negative=None, cfg=4.0):
-    image = reference(
-        prompt, negative_prompt=negative, true_cfg_scale=cfg, height=height, width=width,
-        num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
-    ).images[0]
-    return np.asarray(image)
-
-
-def within_one_level(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and np.abs(a.astype(int) - b.astype(int)).max() <= 1
 
 
 def test_models_and_health(served):
@@ -88,7 +66,7 @@ def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served
     import openai
     from diffusers import QwenImagePipeline
 
-    from lora_files import make_adapter
+    from testing.lora_files import make_adapter
 
     adapter = str(make_adapter(tiny_dir, tmp_path / "A", rank=4, alpha=8, seed=1))
     (tmp_path / "broken").mkdir()
@@ -201,7 +179,7 @@ def test_the_page_generates_with_progress_and_previews_and_names_a_bad_field(ser
     """Issue 17, in a real headless Chromium: type a prompt and press Enter; the progress bar advances, previews
     appear, then an image of the chosen size with a download link. A bad size shows its error beside the size field.
     At a phone's width nothing overflows."""
-    from browser import WATCH, browser_page, fits_a_phone, result_size
+    from testing.browser import WATCH, browser_page, fits_a_phone, result_size
 
     with browser_page() as page:
         page.goto(served["base"] + "/")
@@ -232,10 +210,10 @@ def test_the_page_generates_with_progress_and_previews_and_names_a_bad_field(ser
 
 
 def test_python_client_through_ray_and_http(served, reference):
-    from omni_ray.client import Client
-    from omni_ray.errors import RequestError
-
     import ray
+
+    from omni_ray.api.client import Client
+    from omni_ray.errors import RequestError
 
     try:
         client = Client.ray(address=served["address"])
@@ -334,18 +312,6 @@ BAD_REQUESTS = [
     (b'{"prompt": "a cat", ', 400, None),
     (b'{"prompt": "' + b"x" * (2 << 20) + b'"}', 413, None),
 ]
-
-
-def stage_stats(served) -> dict:
-    import ray
-    from ray import serve
-
-    try:
-        connect_ray(served["address"])
-        return {name: serve.get_deployment_handle(name, "omni-ray").stats.remote().result()
-                for name in ("Encoder", "DiT", "VAE")}
-    finally:
-        ray.shutdown()
 
 
 def test_bad_requests_get_a_4xx_naming_the_field_and_never_reach_a_stage(served):
@@ -536,7 +502,7 @@ def test_streaming_sends_one_progress_event_per_step_then_the_same_image(served)
 
 
 def test_streaming_n_images_and_the_clients_progress_bar(served, capsys):
-    from omni_ray.client import Client
+    from omni_ray.api.client import Client
 
     events = stream_events(served, {"prompt": "a cup", "size": "64x64", "seed": 9, "num_inference_steps": 3, "n": 2})
     for index in (0, 1):
@@ -686,7 +652,7 @@ def test_a_redeploy_that_restarts_the_dit_under_load_loses_no_request(served, ti
     import yaml
     from ray import serve
 
-    from deployments.app import build_app
+    from omni_ray.serve.app import build_app
 
     preset = yaml.safe_load((REPO / "stage_configs/qwen_image_tiny.yaml").read_text())
     preset["dit"]["max_batch_size"] = 4
@@ -722,20 +688,6 @@ def test_a_redeploy_that_restarts_the_dit_under_load_loses_no_request(served, ti
             assert sum(e["type"] == "image_generation.completed" for e in response) == body["n"]
         else:
             assert len(response["data"]) == body["n"]
-
-
-def assert_stops_within_10_s_leaving_no_vllm_file(served, signum) -> None:
-    """vLLM's encoder rendezvouses over loopback TCP, so no /tmp/vllm_dist_* file exists to be left behind,
-    however a replica ends; ``signum`` stops serve run within 10 s."""
-    import glob
-    import os
-
-    assert not [f for f in glob.glob("/tmp/vllm_dist_*") if os.path.getmtime(f) >= served["local"].started_at]
-    process = served["local"].process
-    start = time.monotonic()
-    process.send_signal(signum)
-    process.wait(timeout=30)
-    assert time.monotonic() - start < 10
 
 
 def test_sigterm_stops_serve_run_within_10_s_and_leaves_no_vllm_file(served):

@@ -7,13 +7,12 @@ import json
 import numpy as np
 import pytest
 import requests
-
-from deployments.local import LocalServe
-from omni_ray.config import load_config
-from reference import load_reference, reference_edit, source_image
-
 from conftest import REPO
-from test_serve import assert_stops_within_10_s_leaving_no_vllm_file, png, stage_stats, within_one_level
+
+from omni_ray.config import load_config
+from testing.local_serve import LocalServe
+from testing.reference import load_reference, reference_edit, source_image
+from testing.serving import assert_stops_within_10_s_leaving_no_vllm_file, png, stage_stats, within_one_level
 
 pytestmark = pytest.mark.serve
 
@@ -47,7 +46,7 @@ def post_edit(served, fields: dict, files: list | None, **kwargs) -> requests.Re
 def test_the_page_edits_an_uploaded_image(served, tmp_path):
     """Issue 17, in a real headless Chromium on the edit preset: upload a file (its preview shows), type a prompt,
     press Generate, and get the edited image at the upload's working size."""
-    from browser import WATCH, browser_page, result_size
+    from testing.browser import WATCH, browser_page, result_size
 
     (tmp_path / "photo.png").write_bytes(file_bytes(source_image(180, 100, seed=4)))
     with browser_page() as page:
@@ -93,7 +92,7 @@ def test_openai_client_edits_an_image(served, reference, image_area):
 def test_edit_streams_progress_then_the_image_and_the_python_client_edits(served, reference, image_area):
     import ray
 
-    from omni_ray.client import Client
+    from omni_ray.api.client import Client
 
     source = source_image(120, 240, seed=5)
     fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "3", "stream": "true"}

@@ -17,11 +17,10 @@ from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.pipeline import Pipeline
-from omni_ray.stages.decode import DecodeRequest, ImageEncodeRequest
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, Latents
-from omni_ray.stages.encode import PromptEmbeds
-from omni_ray.stages.gpu_costs import GpuCosts, dit_pass_flops, image_tokens
-from omni_ray.stages.simulated import SimulatedDenoiser, SimulatedVae, photo_like
+from omni_ray.qwen_image import image_tokens
+from omni_ray.records import DecodeRequest, DenoiseParams, DenoiseRequest, ImageEncodeRequest, Latents, PromptEmbeds
+from omni_ray.runners.gpu_costs import GpuCosts, dit_pass_flops
+from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedVae, photo_like
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 COSTS = GpuCosts.h200()
@@ -80,7 +79,8 @@ def embeds(tokens: int) -> PromptEmbeds:
 def test_simulated_denoiser_steps_a_batch_for_its_simulated_time_and_returns_packed_latents():
     core = EngineCore(DiTScheduler(8, 8), SimulatedDenoiser(torch.bfloat16))
     for index in range(3):  # one batch: same size and CFG mode, different step counts and seeds
-        params = DenoiseParams(height=1328, width=800, num_inference_steps=2 + index, seed=index, true_cfg_scale=4.0)
+        params = DenoiseParams(height=1328, width=800, num_inference_steps=2 + index, seed=index, true_cfg_scale=4.0,
+                               true_cfg=True)
         core.add_request(DenoiseRequest(f"r{index}", params, embeds(40 + index), embeds(30)))
     started = time.monotonic()
     results, progress = run_until_done(core, {"r0", "r1", "r2"})

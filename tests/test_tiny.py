@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE
-from omni_ray.tiny import IMAGE_PROCESSOR_CONFIG, SCHEDULER_CONFIG, write_checkpoint
+from omni_ray.checkpoints.tiny import IMAGE_PROCESSOR_CONFIG, SCHEDULER_CONFIG, write_checkpoint
+from omni_ray.qwen_image import EDIT, TEXT_TO_IMAGE
 
 LAYOUT = {"model_index.json", "scheduler", "text_encoder", "tokenizer", "transformer", "vae"}
 
@@ -138,7 +138,8 @@ VLLM_LOAD = textwrap.dedent(
 
 def test_text_encoder_loads_in_vllm(tiny_dir, tmp_path):
     """vLLM (its own process: it binds threads for the whole process) loads text_encoder/ and agrees with transformers."""
-    from omni_ray.stages.encode import PromptTokenizer, TransformersTextEncoder
+    from omni_ray.runners.tokenizer import PromptTokenizer
+    from testing.reference import TransformersTextEncoder
 
     tokenizer = PromptTokenizer(str(tiny_dir))
     ids = tokenizer.tokenize("a red cat on a wooden table")

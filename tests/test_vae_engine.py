@@ -6,8 +6,8 @@ import torch
 
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.vae_scheduler import VAEScheduler
-from omni_ray.stages.decode import DecodeRequest, VaeRunner
-from omni_ray.stages.denoise import Latents
+from omni_ray.records import DecodeRequest, Latents
+from omni_ray.runners.decode import VaeRunner
 
 
 @pytest.fixture(scope="module")

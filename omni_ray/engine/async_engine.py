@@ -12,6 +12,7 @@ OpenMP and 110 to 220 us on a later one), so the model is loaded and run on the 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import queue
 import threading
@@ -21,14 +22,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_ray.engine.core import EngineCoreClient
-from omni_ray.engine.output import EngineCoreOutput, StepDone, StepError
+from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.errors import EngineError, request_failure
+from omni_ray.records import Finished, Follows, Preview, StepDone, StreamItem
 
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int, Any], None]  # (steps done, total steps, the step's preview or None)
 StartCallback = Callable[[float], None]  # seconds the request waited before the first step that ran it
 StepCallback = Callable[[float, int, int], None]  # (seconds, requests the step touched, requests still held)
+
+
+class Command(enum.Enum):
+    """What a caller asks of the engine's thread; each takes effect at the next step boundary."""
+
+    ADD = "add"  # payload: (request, _Caller)
+    CALL = "call"  # payload: (method of the core, _Caller)
+    ABORT = "abort"  # payload: request id
+    WAKE = "wake"  # payload: None; unblocks a waiting loop (shutdown)
 
 
 @dataclass(slots=True)
@@ -56,7 +67,7 @@ class AsyncEngine:
         self.core: EngineCoreClient | None = None
         self.name = name
         self.stall_timeout_s = stall_timeout_s
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Command, Any]] = queue.SimpleQueue()
         self._callers: dict[str, _Caller] = {}  # request id -> who awaits it; touched on the loop thread only
         self._thread = threading.Thread(target=self._run, name=f"omni-ray-{name}-engine", daemon=True)
         self._stopping = False
@@ -84,22 +95,23 @@ class AsyncEngine:
             raise EngineError("engine loop is not running", self.name)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(("add", (request, _Caller(loop, future, on_progress, on_start, time.monotonic()))))
+        self._commands.put((Command.ADD, (request, _Caller(loop, future, on_progress, on_start, time.monotonic()))))
         try:
             return await future
         except asyncio.CancelledError:
             self.abort(request.request_id)
             raise
 
-    async def stream(self, request, on_start: StartCallback | None = None) -> AsyncIterator[Any]:
-        """``StepDone`` after every step of ``request`` (followed by the step's preview when it has one), then its
-        stage result. Closing the stream aborts it."""
+    async def stream(self, request, on_start: StartCallback | None = None) -> AsyncIterator[StreamItem]:
+        """``StepDone`` after every step of ``request`` (then ``Preview`` when the step has one), then ``Finished``
+        with its stage result. Closing the stream aborts it."""
         steps: asyncio.Queue = asyncio.Queue()
 
         def on_progress(done: int, total: int, preview: Any) -> None:
-            steps.put_nowait(StepDone(done, total, has_preview=preview is not None))
+            follows = Follows.PREVIEW if preview is not None else Follows.RESULT if done == total else Follows.NOTHING
+            steps.put_nowait(StepDone(done, total, follows))
             if preview is not None:
-                steps.put_nowait(preview)
+                steps.put_nowait(Preview(preview))
 
         result = asyncio.ensure_future(self.generate(request, on_progress, on_start))
         try:
@@ -110,7 +122,7 @@ class AsyncEngine:
                     yield step.result()
                 else:
                     step.cancel()
-            yield result.result()
+            yield Finished(result.result())
         finally:
             result.cancel()
 
@@ -121,11 +133,11 @@ class AsyncEngine:
             raise EngineError("engine loop is not running", self.name)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(("call", (method, _Caller(loop, future, None))))
+        self._commands.put((Command.CALL, (method, _Caller(loop, future, None))))
         return await future
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put((Command.ABORT, request_id))
 
     @property
     def num_running(self) -> int:
@@ -143,7 +155,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Stops the loop (failing requests still in it) and shuts the core down."""
         self._stopping = True
-        self._commands.put(("wake", None))
+        self._commands.put((Command.WAKE, None))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
 
@@ -185,22 +197,22 @@ class AsyncEngine:
         command = self._commands.get() if block else self._next_command()
         while command is not None:
             kind, payload = command
-            if kind == "add":
+            if kind is Command.ADD:
                 request, caller = payload
                 self._add(request, caller)
-            elif kind == "call":
+            elif kind is Command.CALL:
                 method, caller = payload
                 try:
                     result = method(self.core)
                 except Exception as err:
                     result = err
                 _resolve(caller, result)
-            elif kind == "abort" and self._callers.pop(payload, None) is not None:
+            elif kind is Command.ABORT and self._callers.pop(payload, None) is not None:
                 self.core.abort_requests([payload])
                 self.num_aborted += 1
             command = self._next_command()
 
-    def _next_command(self) -> tuple[str, Any] | None:
+    def _next_command(self) -> tuple[Command, Any] | None:
         try:
             return self._commands.get_nowait()
         except queue.Empty:

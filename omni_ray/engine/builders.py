@@ -5,21 +5,22 @@ from __future__ import annotations
 import torch
 
 from omni_ray.config import PipelineConfig
-from omni_ray.engine.core import EngineCore
+from omni_ray.engine.core import DiTEngineCore, EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.encoder_core import EncoderEngineCore
 from omni_ray.engine.vae_scheduler import VAEScheduler
-from omni_ray.stages.decode import VaeRunner
-from omni_ray.stages.denoise import DenoiseRunner
-from omni_ray.stages.encode import PromptTokenizer, VllmEncoder, template_for
-from omni_ray.stages.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
+from omni_ray.runners.decode import VaeRunner
+from omni_ray.runners.denoise import DenoiseRunner
+from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
+from omni_ray.runners.tokenizer import PromptTokenizer
+from omni_ray.runners.vllm_encoder import VllmEncoder
 
 
 def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
     """vLLM's engine core on the text encoder (with its vision tower for edits), or the simulated encoder. vLLM binds
     threads for its whole process: give it its own."""
     stage = config.encoder
-    tokenizer = PromptTokenizer(config.model, template_for(config))
+    tokenizer = PromptTokenizer(config.model, config.prompt_template)
     if stage.runner == "simulated":
         encoder = SimulatedEncoder(getattr(torch, stage.dtype), stage.max_num_seqs)
     else:
@@ -36,14 +37,14 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
     return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length)
 
 
-def build_dit_core(config: PipelineConfig) -> EngineCore:
+def build_dit_core(config: PipelineConfig) -> DiTEngineCore:
     stage = config.dit
     scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps)
     if stage.runner == "simulated":
-        return EngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
+        return DiTEngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile)
-    return EngineCore(scheduler, runner)
+    return DiTEngineCore(scheduler, runner)
 
 
 def build_vae_core(config: PipelineConfig) -> EngineCore:

@@ -6,6 +6,7 @@ from typing import Generic, Protocol, TypeVar
 
 from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.scheduler import Scheduler, SchedulerOutput
+from omni_ray.records import LoraKey
 
 SchedulerOutputT = TypeVar("SchedulerOutputT", bound=SchedulerOutput, contravariant=True)
 RunnerOutputT = TypeVar("RunnerOutputT", covariant=True)
@@ -55,3 +56,24 @@ class EngineCore(Generic[SchedulerOutputT, RunnerOutputT]):
 
     def shutdown(self) -> None:
         """Nothing to release: the runner's tensors go with it."""
+
+
+class DiTEngineCore(EngineCore):
+    """The DiT's core: the engine contract, plus the LoRA adapters its runner holds (called between two steps, on
+    the engine's thread, as vLLM's ``add_lora``/``remove_lora`` utility calls run on its core)."""
+
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        """Requests per step -> steps run with that many (the step-level batching at work)."""
+        return dict(self.scheduler.batch_sizes)
+
+    @property
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """The Linear layers an adapter may adapt: module name -> (in, out features)."""
+        return self.runner.lora_shapes
+
+    def add_lora(self, key: LoraKey, layers: dict) -> None:
+        self.runner.add_lora(key, layers)
+
+    def remove_lora(self, key: LoraKey) -> None:
+        self.runner.remove_lora(key)

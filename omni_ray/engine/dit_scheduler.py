@@ -13,9 +13,7 @@ from collections import Counter, deque
 
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
-from omni_ray.stages.denoise import DenoiseBatch, DenoiseOutput, DenoiseRequest
-
-BatchKey = tuple[int, int, bool, tuple[int, int] | None]  # height, width, true CFG, edit image size
+from omni_ray.records import BatchKey, DenoiseBatch, DenoiseOutput, DenoiseRequest
 
 
 class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):

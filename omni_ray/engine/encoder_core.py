@@ -7,39 +7,58 @@ texts are encoded, template dropped.
 
 from __future__ import annotations
 
+import enum
+from typing import Protocol
+
+import numpy as np
+
 from omni_ray.engine.output import EngineCoreOutput, StepError
-from omni_ray.stages.encode import (
-    EncodedPrompt,
-    EncodeRequest,
-    PromptEmbeds,
-    PromptTokenizer,
-    VllmEncoder,
-    to_prompt_embeds,
-)
+from omni_ray.records import EncodedPrompt, EncodeRequest, PromptEmbeds
+from omni_ray.runners.tokenizer import PromptTokenizer, to_prompt_embeds
+
+
+class SequenceEncoder(Protocol):
+    """What the core drives: vLLM's engine core (``runners.vllm_encoder.VllmEncoder``) or the simulated encoder."""
+
+    def add(self, sequence_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None: ...
+    def abort(self, sequence_ids: list[str]) -> None: ...
+    def step(self) -> dict: ...  # sequence id -> [num_tokens, hidden], for the sequences that finished
+    def shutdown(self) -> None: ...
+
+
+class Part(enum.Enum):
+    """Which text of a request a sequence encodes."""
+
+    PROMPT = "prompt"
+    NEGATIVE = "negative"
 
 
 class EncoderEngineCore:
-    def __init__(self, tokenizer: PromptTokenizer, encoder: VllmEncoder, max_sequence_length: int = 512):
+    def __init__(self, tokenizer: PromptTokenizer, encoder: SequenceEncoder, max_sequence_length: int = 512):
         self.tokenizer = tokenizer
         self.encoder = encoder
         self.max_sequence_length = max_sequence_length
-        self.pending: dict[str, dict[str, PromptEmbeds | None]] = {}  # request id -> part -> embeds once done
+        self.pending: dict[str, dict[Part, PromptEmbeds | None]] = {}  # request id -> part -> embeds once done
+        self.sequences: dict[str, tuple[str, Part]] = {}  # sequence id -> (request id, part), while it runs
 
     def add_request(self, request: EncodeRequest) -> None:
-        texts = {"prompt": request.prompt}
+        texts = {Part.PROMPT: request.prompt}
         if request.negative_prompt is not None:
-            texts["negative"] = request.negative_prompt
+            texts[Part.NEGATIVE] = request.negative_prompt
         token_ids = {part: self.tokenizer.tokenize(text) for part, text in texts.items()}
         self.pending[request.request_id] = dict.fromkeys(texts)
         for part, ids in token_ids.items():
-            self.encoder.add(f"{request.request_id}/{part}", ids, request.image)
+            sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
+            self.sequences[sequence_id] = (request.request_id, part)
+            self.encoder.add(sequence_id, ids, request.image)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        sequences = []
+        aborted = set(request_ids)
+        sequences = [sid for sid, (request_id, _) in self.sequences.items() if request_id in aborted]
         for request_id in request_ids:
-            parts = self.pending.pop(request_id, None)
-            if parts is not None:
-                sequences += [f"{request_id}/{part}" for part in parts]
+            self.pending.pop(request_id, None)
+        for sequence_id in sequences:
+            del self.sequences[sequence_id]
         if sequences:
             self.encoder.abort(sequences)
 
@@ -55,14 +74,14 @@ class EncoderEngineCore:
             raise StepError(list(self.pending)) from err
         outputs = []
         for sequence_id, hidden in finished.items():
-            request_id, part = sequence_id.rsplit("/", 1)
-            parts = self.pending.get(request_id)
-            if parts is None:  # aborted while vLLM ran it
+            if sequence_id not in self.sequences:  # aborted while vLLM ran it
                 continue
+            request_id, part = self.sequences.pop(sequence_id)
+            parts = self.pending[request_id]
             parts[part] = to_prompt_embeds(hidden, self.tokenizer.template, self.max_sequence_length)
             if all(embeds is not None for embeds in parts.values()):
                 del self.pending[request_id]
-                result = EncodedPrompt(prompt=parts["prompt"], negative=parts.get("negative"))
+                result = EncodedPrompt(prompt=parts[Part.PROMPT], negative=parts.get(Part.NEGATIVE))
                 outputs.append(EngineCoreOutput(request_id, result, "stop"))
         return outputs
 

@@ -16,13 +16,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from omni_ray.engine.async_engine import AsyncEngine
-from omni_ray.config import LoraKey, LoraRef
 from omni_ray.errors import EngineError, RequestError
-from omni_ray.stages.lora import LoraLayer, read_lora
+from omni_ray.records import LoraKey, LoraRef
 
 logger = logging.getLogger(__name__)
 
-Reader = Callable[[str, Mapping[str, tuple[int, int]]], dict[str, LoraLayer]]
+Reader = Callable[[str, Mapping[str, tuple[int, int]]], dict]  # (file, the layers' shapes) -> layer name -> weights
 
 
 @dataclass(slots=True)
@@ -32,9 +31,11 @@ class _Resident:
 
 
 class LoraResidency:
-    def __init__(self, engine: AsyncEngine, max_loras: int, shapes: Mapping[str, tuple[int, int]],
-                 reader: Reader = read_lora, on_load: Callable[[str], None] | None = None):
-        self.engine, self.max_loras, self.shapes, self.reader = engine, max_loras, shapes, reader
+    def __init__(self, engine: AsyncEngine, max_loras: int, reader: Reader,
+                 on_load: Callable[[str], None] | None = None):
+        """``engine`` drives a ``DiTEngineCore``; ``reader`` reads an adapter's file for the runner
+        (``runners.lora.read_lora``)."""
+        self.engine, self.max_loras, self.shapes, self.reader = engine, max_loras, engine.core.lora_shapes, reader
         self.on_load = on_load  # called with an adapter's name each time it is loaded, for metrics
         self.resident: OrderedDict[LoraKey, _Resident] = OrderedDict()  # least recently used first
         self._released: list[asyncio.Future] = []  # requests waiting for a resident adapter to fall idle
@@ -73,7 +74,7 @@ class LoraResidency:
                     continue
                 del self.resident[idle]
                 logger.info("LoRA adapter %r leaves (least recently used)", idle[0])
-                await self.engine.call(lambda core, key=idle: core.runner.remove_lora(key))
+                await self.engine.call(lambda core, key=idle: core.remove_lora(key))
                 continue
             self.resident[lora.key] = _Resident(asyncio.ensure_future(self._load(lora)))
 
@@ -83,7 +84,7 @@ class LoraResidency:
                 layers = await asyncio.to_thread(self.reader, lora.path, self.shapes)
             except RequestError as err:  # the file was fine when it was registered: not the request's fault now
                 raise EngineError(f"LoRA adapter {lora.name!r} could not be loaded: {err}", "dit") from None
-            await self.engine.call(lambda core: core.runner.add_lora(lora.key, layers))
+            await self.engine.call(lambda core: core.add_lora(lora.key, layers))
         except BaseException:
             del self.resident[lora.key]  # its slot is free again
             self._wake()

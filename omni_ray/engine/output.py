@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_ray.errors import EngineError
+from omni_ray.records import Latents
 
 FinishReason = Literal["stop", "error"]
 
@@ -23,7 +24,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     error: EngineError | None = None  # set when finish_reason is "error"
     progress: tuple[int, int] | None = None  # (steps done, total steps), for stages that step
-    preview: Any = None  # with progress: an intermediate result the request asked for (the DiT's predicted image)
+    preview: Latents | None = None  # with progress: the clean latents the DiT's step predicted, when asked for
 
     @property
     def finished(self) -> bool:
@@ -32,16 +33,6 @@ class EngineCoreOutput:
     @classmethod
     def failed(cls, request_id: str, error: EngineError) -> EngineCoreOutput:
         return cls(request_id, finish_reason="error", error=error)
-
-
-@dataclass(frozen=True, slots=True)
-class StepDone:
-    """A stepping stage's progress for one request: ``step`` of ``total`` steps are done. With ``has_preview``, the
-    stream's next item is the step's preview (the DiT's latents of the clean image it predicts at this step)."""
-
-    step: int
-    total: int
-    has_preview: bool = False
 
 
 class StepError(Exception):

@@ -6,7 +6,7 @@ from collections import deque
 
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
-from omni_ray.stages.decode import DecodeBatch, DecodeOutput, VAERequest
+from omni_ray.records import DecodeBatch, DecodeOutput, VAERequest
 
 
 class VAEScheduler(Scheduler[VAERequest, DecodeBatch, DecodeOutput]):

@@ -30,7 +30,7 @@ from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from omni_ray.config import CacheSettings
-from omni_ray.stages.lora import LoraRows
+from omni_ray.runners.lora import LoraRows
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """A full-size Qwen-Image without weights: the shipped configs and a locally built tokenizer, for `weights: dummy`.
 
-    python -m omni_ray.dummy OUT_DIR               # Qwen-Image's real architecture (omni_ray/model_configs)
-    python -m omni_ray.dummy OUT_DIR --layers 1    # the same widths, 1 transformer block, 1 layer of each encoder part
-    python -m omni_ray.dummy OUT_DIR --edit        # Qwen-Image-Edit's layout: the same, plus processor/
+    python -m omni_ray.checkpoints.dummy OUT_DIR             # Qwen-Image's real architecture (omni_ray/model_configs)
+    python -m omni_ray.checkpoints.dummy OUT_DIR --layers 1  # the same widths, 1 transformer block, 1 encoder layer
+    python -m omni_ray.checkpoints.dummy OUT_DIR --edit      # Qwen-Image-Edit's layout: the same, plus processor/
 
 The directory is in diffusers' layout with every component's config and no weight file; a preset with
 ``weights: dummy`` builds each stage from it with random weights on its device, in its dtype (the encoder through
@@ -23,7 +23,7 @@ import os
 import pathlib
 import shutil
 
-from omni_ray.full_size import CONFIG_DIR
+from omni_ray.checkpoints.full_size import CONFIG_DIR
 
 QWEN_REGULAR_TOKENS = 151_643  # Qwen2's vocabulary before its special tokens
 
@@ -32,7 +32,7 @@ def qwen_sized_tokenizer():
     """The tiny tokenizer with its vocabulary padded so that the special tokens take Qwen's ids."""
     from transformers import Qwen2Tokenizer
 
-    from omni_ray.tiny import SPECIAL_TOKENS, build_tokenizer
+    from omni_ray.checkpoints.tiny import SPECIAL_TOKENS, build_tokenizer
 
     tiny = build_tokenizer()
     vocab = {token: index for token, index in tiny.get_vocab().items() if token not in SPECIAL_TOKENS}
@@ -70,7 +70,7 @@ def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = Non
     tokenizer = qwen_sized_tokenizer()
     tokenizer.save_pretrained(partial / "tokenizer")
     if edit:
-        from omni_ray.tiny import build_processor
+        from omni_ray.checkpoints.tiny import build_processor
 
         build_processor(tokenizer).save_pretrained(partial / "processor")
         _edit(partial / "model_index.json", lambda c: c.update(
@@ -89,7 +89,7 @@ def _edit(path: pathlib.Path, change) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m omni_ray.dummy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m omni_ray.checkpoints.dummy", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", help="directory to write to")
     parser.add_argument("--layers", type=int, default=None,
                         help="transformer blocks, language-model layers and vision blocks (default: Qwen-Image's "

@@ -11,82 +11,30 @@ every forward pass, with their own entry in the rotary shapes, and the predictio
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
-from omni_ray.config import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, CacheSettings, LoraKey, LoraRef
 from omni_ray.errors import EngineError, request_failure
-from omni_ray.stages.dit_cache import BranchCache, cached_forward
-from omni_ray.stages.encode import PromptEmbeds
-from omni_ray.stages.host import to_host
-from omni_ray.stages.lora import LoraLayer, LoraTable
-from omni_ray.stages.random_weights import random_model
+from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, VAE_COMPRESSION, check_side, latent_grid
+from omni_ray.records import (
+    DenoiseBatch,
+    DenoiseOutput,
+    DenoiseParams,
+    Latents,
+    LoraKey,
+    LoraRef,
+    PromptEmbeds,
+)
+from omni_ray.runners.dit_cache import BranchCache, cached_forward
+from omni_ray.runners.host import to_host
+from omni_ray.runners.lora import LoraLayer, LoraTable
+from omni_ray.runners.packing import pack_latents
+from omni_ray.runners.random_weights import random_model
 
 logger = logging.getLogger(__name__)
-
-
-def uses_true_cfg(true_cfg_scale: float, has_negative: bool) -> bool:
-    """diffusers' rule: true CFG runs when the scale is above 1 and a negative prompt is given."""
-    return true_cfg_scale > 1 and has_negative
-
-
-@dataclass(slots=True)
-class DenoiseParams:
-    """What one request asks of the DiT."""
-
-    height: int
-    width: int
-    num_inference_steps: int
-    seed: int
-    true_cfg_scale: float = 1.0  # CFG runs when > 1 and a negative prompt is given
-    cache: CacheSettings | None = None  # DiT cache acceleration; never splits a batch
-    lora: LoraRef | None = None  # a LoRA adapter resident in the runner; never splits a batch either
-    previews: tuple[int, ...] = ()  # steps after which to hand back the clean image the step predicts
-
-    def batch_key(
-        self, has_negative: bool, image_size: tuple[int, int] | None = None
-    ) -> tuple[int, int, bool, tuple[int, int] | None]:
-        """Requests whose keys match can share a forward pass: same size, CFG mode and edit image size."""
-        return (self.height, self.width, uses_true_cfg(self.true_cfg_scale, has_negative), image_size)
-
-
-@dataclass(slots=True)
-class DenoiseRequest:
-    """A request as the DiT engine receives it: the prompt's embeddings (and the negative's, for true CFG), and for
-    an edit its input image's latents."""
-
-    request_id: str
-    params: DenoiseParams
-    prompt: PromptEmbeds
-    negative: PromptEmbeds | None = None
-    image: Latents | None = None
-
-    @property
-    def batch_key(self) -> tuple:
-        image_size = (self.image.height, self.image.width) if self.image is not None else None
-        return self.params.batch_key(self.negative is not None, image_size)
-
-
-@dataclass(slots=True)
-class DenoiseBatch:
-    """One engine step's work for the runner (the DiT scheduler's output)."""
-
-    new_requests: list[DenoiseRequest]  # admitted this step: the runner draws their noise and schedule
-    request_ids: list[str]  # every request stepped this step (new ones included); one batch key
-    freed_ids: list[str]  # requests that left since the last step (aborted): the runner drops their state
-
-
-@dataclass(slots=True)
-class DenoiseOutput:
-    """What one engine step produced (the runner's output)."""
-
-    finished: dict[str, Latents]  # request id -> final latents, for requests whose last step this was
-    errors: dict[str, EngineError]  # request id -> why, for requests that failed alone
-    progress: dict[str, tuple[int, int]]  # request id -> (steps done, total steps), for every stepped request
-    previews: dict[str, Latents] = field(default_factory=dict)  # request id -> the clean latents its step predicted
 
 
 @dataclass(slots=True)
@@ -115,24 +63,8 @@ class DenoiseState:
         return self.step_index >= self.num_steps
 
     @property
-    def do_true_cfg(self) -> bool:
-        return self.negative is not None
-
-    @property
     def batch_key(self) -> tuple:
-        return self.params.batch_key(self.do_true_cfg, self.image_size)
-
-
-@dataclass(slots=True)
-class Latents:
-    """A finished request's packed latents, as they travel to the VAE stage (CPU, contiguous)."""
-
-    latents: torch.Tensor  # [image_seq_len, in_channels]
-    height: int
-    width: int
-    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, the stages so far
-    dit_passes: dict[str, int] = field(default_factory=dict)  # "computed"/"reused" -> transformer passes (true CFG
-    # runs two per step, each decided apart)
+        return (self.params.height, self.params.width, self.params.true_cfg, self.image_size)
 
 
 def calculate_shift(image_seq_len: int, config) -> float:
@@ -141,13 +73,6 @@ def calculate_shift(image_seq_len: int, config) -> float:
     base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
     m = (max_shift - base_shift) / (max_len - base_len)
     return image_seq_len * m + (base_shift - m * base_len)
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, C, H, W]`` -> ``[B, (H/2)*(W/2), C*4]``: 2x2 patches as tokens."""
-    b, _, c, h, w = latents.shape
-    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
 class DenoiseRunner:
@@ -183,7 +108,8 @@ class DenoiseRunner:
         else:
             transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
-        assert 2 ** len(vae_config["temperal_downsample"]) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
+        if 2 ** len(vae_config["temperal_downsample"]) != VAE_COMPRESSION:
+            raise ValueError(f"{model}: not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
         transformer = transformer.to(device)
         if compile:
@@ -208,7 +134,7 @@ class DenoiseRunner:
         """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
         for request_id in batch.freed_ids:
             self.states.pop(request_id, None)
-        output = DenoiseOutput(finished={}, errors={}, progress={})
+        output = DenoiseOutput()
         for request in batch.new_requests:
             try:
                 self.states[request.request_id] = self.prepare(
@@ -257,12 +183,11 @@ class DenoiseRunner:
         image: Latents | None = None,
     ) -> DenoiseState:
         """Draws the request's noise and schedule; an edit's image latents come along."""
-        if params.height % SIZE_MULTIPLE or params.width % SIZE_MULTIPLE:
-            raise ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}")
+        check_side("height", params.height)
+        check_side("width", params.width)
         if params.lora is not None and params.lora.key not in self.loras.slot_of:
             raise EngineError(f"LoRA adapter {params.lora.name!r} is not loaded on this replica")
-        rows = 2 * (params.height // SIZE_MULTIPLE)
-        cols = 2 * (params.width // SIZE_MULTIPLE)
+        rows, cols = latent_grid(params.height, params.width)
         # Drawn on the CPU in diffusers' unpacked shape, so the same seed gives the same image on any device.
         generator = torch.Generator("cpu").manual_seed(params.seed)
         noise = torch.randn((1, 1, self.num_channels_latents, rows, cols), generator=generator, dtype=self.dtype)
@@ -276,7 +201,7 @@ class DenoiseRunner:
             mu=calculate_shift(latents.shape[1], scheduler.config),
         )
         scheduler.set_begin_index(0)
-        do_true_cfg = uses_true_cfg(params.true_cfg_scale, negative is not None)
+        do_true_cfg = params.true_cfg
         img_shapes = [(1, rows // 2, cols // 2)]
         if image is not None:
             img_shapes.append((1, image.height // SIZE_MULTIPLE, image.width // SIZE_MULTIPLE))
@@ -293,41 +218,11 @@ class DenoiseRunner:
         )
 
     @torch.inference_mode()
-    def step(self, states: list[DenoiseState], fuse_cfg: bool = True) -> None:
-        """Advances every state by one denoising step.
-
-        The states must share a batch key. With true CFG and ``fuse_cfg``, the unconditional rows ride in the same
-        forward as the conditional ones (one pass, text padded to the longest of both); ``fuse_cfg=False`` runs them
-        as a second pass, as diffusers does, which the in-process reference pipeline uses to match diffusers exactly.
-        """
+    def step(self, states: list[DenoiseState]) -> None:
+        """Advances every state by one denoising step. The states must share a batch key."""
         assert states and len({s.batch_key for s in states}) == 1, "mixed batch keys"
-        cfg = states[0].do_true_cfg
-        latents = torch.cat([s.latents for s in states])
-        if states[0].image is not None:  # edits: the image's tokens follow the noisy ones
-            latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)
-        timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
-        img_shapes = [s.img_shapes for s in states]
-        prompts = [s.prompt for s in states]
-        steps = [(s.step_index, s.num_steps) for s in states]
-        caches = [s.caches[0] if s.caches else None for s in states]
-        loras = [s.params.lora for s in states]  # CFG's two passes of a request use its adapter
-        if not cfg:
-            cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps, loras)
-        else:
-            negatives = [s.negative for s in states]
-            uncond_caches = [s.caches[1] if s.caches else None for s in states]
-            if fuse_cfg:
-                rows = len(states)
-                both, both_caches = self._forward(
-                    latents.repeat(2, 1, 1), timesteps.repeat(2), prompts + negatives, img_shapes * 2,
-                    caches + uncond_caches, steps * 2, loras * 2,
-                )
-                (cond, uncond), caches, uncond_caches = both.split(rows), both_caches[:rows], both_caches[rows:]
-            else:
-                cond, caches = self._forward(latents, timesteps, prompts, img_shapes, caches, steps, loras)
-                uncond, uncond_caches = self._forward(latents, timesteps, negatives, img_shapes, uncond_caches, steps,
-                                                      loras)
-
+        cfg = states[0].params.true_cfg
+        cond, uncond, caches = self.predict(states)
         num_tokens = states[0].latents.shape[1]  # the prediction for the edit image's tokens is dropped
         for row, state in enumerate(states):
             pred = cond[row : row + 1, :num_tokens]
@@ -338,8 +233,32 @@ class DenoiseRunner:
             t = state.scheduler.timesteps[state.step_index]
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
             if state.caches:  # kept with the step, so a step retried alone decides from the same caches
-                state.caches = [caches[row], uncond_caches[row]] if cfg else [caches[row]]
+                state.caches = caches[row :: len(states)]
             state.step_index += 1
+
+    def predict(
+        self, states: list[DenoiseState]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[BranchCache | None]]:
+        """The transformer's conditional prediction for every state, with true CFG the unconditional one, and the
+        caches after the step (the conditional passes' in state order, then the unconditional ones'). One forward:
+        the unconditional rows ride behind the conditional ones, text padded to the longest of both."""
+        latents = torch.cat([s.latents for s in states])
+        if states[0].image is not None:  # edits: the image's tokens follow the noisy ones
+            latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)
+        rows = len(states)
+        cfg = states[0].params.true_cfg
+        passes = 2 if cfg else 1
+        timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
+        texts = [s.prompt for s in states] + ([s.negative for s in states] if cfg else [])
+        caches = [s.caches[branch] if s.caches else None for branch in range(passes) for s in states]
+        if cfg:
+            latents, timesteps = latents.repeat(2, 1, 1), timesteps.repeat(2)
+        prediction, caches = self._forward(
+            latents, timesteps, texts, [s.img_shapes for s in states] * passes, caches,
+            [(s.step_index, s.num_steps) for s in states] * passes, [s.params.lora for s in states] * passes,
+        )
+        uncond = prediction[rows:] if cfg else None
+        return prediction[:rows], uncond, caches
 
     def _forward(
         self,
@@ -366,7 +285,7 @@ class DenoiseRunner:
         if state.caches:
             passes = {"computed": sum(c.computed for c in state.caches), "reused": sum(c.reused for c in state.caches)}
         else:
-            passes = {"computed": state.num_steps * (2 if state.do_true_cfg else 1), "reused": 0}
+            passes = {"computed": state.num_steps * (2 if state.params.true_cfg else 1), "reused": 0}
         return Latents(
             to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )

@@ -5,8 +5,7 @@ real sizes on any machine (``runner: simulated`` in a preset; ``stage_configs/qw
 Each stands exactly where its real runner stands: ``SimulatedEncoder`` under the encoder's engine core (vLLM's
 ``EngineCore`` interface: add, abort, step), ``SimulatedDenoiser`` and ``SimulatedVae`` under ``EngineCore`` with
 the DiT's and the VAE's schedulers. The VAE's pixels are photo-like (smooth colour fields, texture and noise), so
-that a PNG of them costs what a generated image's costs (about 220 ms at 1328x1328 on the CPU here; photographs
-120-190 ms).
+that a PNG of them costs what a generated image's costs (see the README's load figures).
 """
 
 from __future__ import annotations
@@ -18,13 +17,19 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from omni_ray.config import SIZE_MULTIPLE
 from omni_ray.errors import request_failure
-from omni_ray.stages.decode import Decoded, DecodeBatch, DecodeOutput, ImageEncodeRequest
-from omni_ray.stages.denoise import DenoiseBatch, DenoiseOutput, DenoiseParams, Latents, uses_true_cfg
-from omni_ray.stages.gpu_costs import LATENT_CHANNELS, TEXT_HIDDEN, GpuCosts, image_tokens
-
-VISION_PATCH = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2 into one token
+from omni_ray.qwen_image import LATENT_CHANNELS, TEXT_HIDDEN, VISION_PATCH, check_side, image_tokens
+from omni_ray.records import (
+    DecodeBatch,
+    Decoded,
+    DecodeOutput,
+    DenoiseBatch,
+    DenoiseOutput,
+    DenoiseParams,
+    ImageEncodeRequest,
+    Latents,
+)
+from omni_ray.runners.gpu_costs import GpuCosts
 
 
 def _wait_until(deadline: float) -> None:
@@ -97,14 +102,16 @@ class SimulatedDenoiser:
         started = time.monotonic()
         for request_id in batch.freed_ids:
             self.states.pop(request_id, None)
-        output = DenoiseOutput(finished={}, errors={}, progress={})
+        output = DenoiseOutput()
         for request in batch.new_requests:
             params = request.params
-            if params.height % SIZE_MULTIPLE or params.width % SIZE_MULTIPLE:
-                error = ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}")
+            try:
+                check_side("height", params.height)
+                check_side("width", params.width)
+            except ValueError as error:
                 output.errors[request.request_id] = request_failure(error)
                 continue
-            true_cfg = uses_true_cfg(params.true_cfg_scale, request.negative is not None)
+            true_cfg = params.true_cfg
             texts = [request.prompt] + ([request.negative] if true_cfg else [])
             extra = image_tokens(request.image.height, request.image.width) if request.image is not None else 0
             self.states[request.request_id] = _Denoising(params, max(t.num_tokens for t in texts), true_cfg, extra)
@@ -142,7 +149,7 @@ class SimulatedVae:
 
     def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
         started = time.monotonic()
-        output = DecodeOutput(finished={}, errors={})
+        output = DecodeOutput()
         pixels = 0
         for request in batch.requests:
             try:

@@ -1,6 +1,6 @@
 """A Python client for a running omni-ray app: over HTTP from anywhere, or through Ray from inside the cluster.
 
-    from omni_ray.client import Client
+    from omni_ray.api.client import Client
 
     images = Client.http("http://127.0.0.1:8000").generate("a red cat", size="256x256", seed=0)
     images = Client.ray(address="auto").generate("a red cat", n=4)   # after the app is deployed
@@ -82,7 +82,6 @@ class Client:
         """A client that calls the app's ingress through its ``DeploymentHandle``: no HTTP on the way."""
         import ray
         from ray import serve
-
         from ray.exceptions import RayTaskError
 
         if not ray.is_initialized():

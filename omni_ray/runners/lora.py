@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from omni_ray.config import LoraKey, LoraRef
 from omni_ray.errors import RequestError
+from omni_ray.records import LoraKey, LoraRef
+
 
 @dataclass(frozen=True, slots=True)
 class LoraLayer:

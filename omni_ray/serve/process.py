@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import time
 from collections.abc import Callable
 
@@ -26,18 +25,6 @@ def cpu_wait_s() -> float:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def cpu_steal_s() -> list[float]:
-    """Seconds each CPU of this (virtual) machine was kept from running by its hypervisor so far, to 10 ms (Linux's
-    /proc/stat; empty elsewhere). A stolen CPU delays whatever thread it runs, the event loop's or a GIL holder's,
-    and the thread's own schedstat does not see it."""
-    try:
-        with open("/proc/stat") as f:
-            lines = [line.split() for line in f if line.startswith("cpu") and not line.startswith("cpu ")]
-        return [int(fields[8]) / os.sysconf("SC_CLK_TCK") for fields in lines]
-    except (OSError, IndexError, ValueError):
-        return []
 
 
 async def watch_event_loop(observe: Callable[[float, float], None], period_s: float = 0.05) -> None:

@@ -1,6 +1,6 @@
 """Write a randomly initialised Qwen-Image (or Qwen-Image-Edit) checkpoint offline, in diffusers' on-disk layout.
 
-    python -m omni_ray.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit]
+    python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit]
 
 The folders are the ones ``Qwen/Qwen-Image`` ships (``model_index.json``, ``scheduler/``, ``text_encoder/``,
 ``tokenizer/``, ``transformer/``, ``vae/``), so ``QwenImagePipeline.from_pretrained(OUT_DIR)`` loads it and vLLM
@@ -27,9 +27,7 @@ import pathlib
 
 import torch
 
-from omni_ray.stages.encode import EDIT, TEXT_TO_IMAGE
-
-TEMPLATES = (TEXT_TO_IMAGE, EDIT)
+from omni_ray.qwen_image import TEMPLATES
 
 # Qwen2.5-VL's special tokens, in Qwen's order, so that the vision path (image editing) finds them too.
 SPECIAL_TOKENS = (
@@ -278,7 +276,7 @@ def write_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m omni_ray.tiny", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m omni_ray.checkpoints.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0, help="seed for every weight (default 0)")
     parser.add_argument("--size", choices=sorted(TRANSFORMER_SIZES), default="tiny", help="transformer size")

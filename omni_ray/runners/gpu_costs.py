@@ -8,7 +8,7 @@ figure or a formula, named where it is defined.
 - DiT, one forward pass over N tokens (image tokens ``(H/16)*(W/16)`` plus text tokens):
   ``2 * 6.79e9 * N`` FLOPs for the linear layers (two per weight per token) plus ``4 * 60 * 3072 * N^2`` for joint
   attention (60 blocks, 24 heads of 128 = 3072 wide, QK^T and AV at two FLOPs per multiply-add); the formula is
-  the one omni-ray's issue 13 states. A step costs a fixed overhead plus its passes (two per request with true CFG)
+  the one omni-ray's DESIGN.md states. A step costs a fixed overhead plus its passes (two per request with true CFG)
   at an effective throughput; both are solved from two published H200 timings:
   0.243 s per step at 1024x1024 with CFG, batch 1 (SGLang issue 22183), and 2.17 s for 20 steps at 512x512 with CFG
   (vLLM-Omni issue 3266). That gives about 796 TFLOP/s and 70 ms per step.
@@ -24,14 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LATENT_PATCH = 16  # pixels per image token side: the VAE's 8x times the transformer's 2x2 patches
-TEXT_HIDDEN = 3584  # Qwen2.5-VL-7B's hidden size: the prompt embeddings' width
-LATENT_CHANNELS = 64  # packed latent channels: 16 VAE channels x 2x2 patches
-TEMPLATE_TOKENS = 34  # the text-to-image template's tokens around a prompt, dropped after encoding (diffusers')
-
-
-def image_tokens(height: int, width: int) -> int:
-    return (height // LATENT_PATCH) * (width // LATENT_PATCH)
+from omni_ray.qwen_image import TEXT_TO_IMAGE, image_tokens
 
 
 def dit_pass_flops(tokens: int) -> float:
@@ -45,7 +38,7 @@ DIT_STEP_512_CFG = (512, 512, 2.17 / 20)  # vLLM-Omni issue 3266, H200, 20 steps
 CALIBRATION_TEXT_TOKENS = 50  # a short prompt's embeddings, template dropped
 ENCODER_512 = 0.035  # vLLM-Omni issue 3266: the encoder's time for one request
 ENCODER_WEIGHTS = 7.07e9
-ENCODER_CALIBRATION_TOKENS = 2 * (40 + TEMPLATE_TOKENS)
+ENCODER_CALIBRATION_TOKENS = 2 * (40 + TEXT_TO_IMAGE.drop)
 VAE_DECODE_512 = 0.017  # vLLM-Omni issue 3266
 
 

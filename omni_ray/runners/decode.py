@@ -10,89 +10,20 @@ way). Encoding preprocesses, takes the latent distribution's mode, normalises an
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 
-from omni_ray.config import SIZE_MULTIPLE
-from omni_ray.errors import EngineError, request_failure
-from omni_ray.stages.denoise import Latents, pack_latents
-from omni_ray.stages.host import to_host
-from omni_ray.stages.random_weights import random_model
+from omni_ray.errors import request_failure
+from omni_ray.qwen_image import SIZE_MULTIPLE, VAE_COMPRESSION
+from omni_ray.records import DecodeBatch, Decoded, DecodeOutput, ImageEncodeRequest, Latents, VAERequest
+from omni_ray.runners.host import to_host
+from omni_ray.runners.packing import pack_latents, unpack_latents
+from omni_ray.runners.random_weights import random_model
 
 logger = logging.getLogger(__name__)
-
-OutputMode = Literal["pixels", "latents", "both"]
-
-
-@dataclass(slots=True)
-class DecodeRequest:
-    """A request as the VAE engine receives it."""
-
-    request_id: str
-    latents: Latents
-    output: OutputMode = "pixels"
-
-    @property
-    def batch_key(self) -> tuple[str, int, int]:
-        return ("decode", self.latents.height, self.latents.width)
-
-
-@dataclass(slots=True)
-class ImageEncodeRequest:
-    """An edit's input image, to become the latents the DiT denoises beside."""
-
-    request_id: str
-    image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)
-
-    @property
-    def batch_key(self) -> tuple[str, int, int]:
-        return ("encode", *self.image.shape[:2])
-
-
-VAERequest = DecodeRequest | ImageEncodeRequest
-
-
-@dataclass(slots=True)
-class DecodeBatch:
-    """One engine step's work: same-key requests run in one VAE call (the VAE scheduler's output)."""
-
-    requests: list[VAERequest]  # one batch key: all decodes of one size, or all image encodes of one size
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [request.request_id for request in self.requests]
-
-
-@dataclass(slots=True)
-class Decoded:
-    """A request's result, per its output mode; crosses to the coordinator (plain numpy and CPU tensors)."""
-
-    pixels: np.ndarray | None  # [H, W, 3] uint8
-    latents: Latents | None
-    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, every stage
-    dit_passes: dict[str, int] = field(default_factory=dict)  # the DiT's passes computed and reused (Latents')
-
-
-@dataclass(slots=True)
-class DecodeOutput:
-    """What one engine step produced (the runner's output)."""
-
-    finished: dict[str, Decoded | Latents]  # request id -> result (Latents for an ImageEncodeRequest)
-    errors: dict[str, EngineError]  # request id -> why, for requests that failed alone
-
-
-def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """``[B, image_seq_len, C*4]`` -> ``[B, C, 1, H/8, W/8]``, the inverse of ``pack_latents``."""
-    batch, _, channels = latents.shape
-    rows = 2 * (height // SIZE_MULTIPLE)
-    cols = 2 * (width // SIZE_MULTIPLE)
-    latents = latents.view(batch, rows // 2, cols // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return latents.reshape(batch, channels // 4, 1, rows, cols)
 
 
 class VaeRunner:
@@ -101,7 +32,8 @@ class VaeRunner:
     def __init__(self, vae: AutoencoderKLQwenImage):
         self.vae = vae.eval()
         self.device = vae.device
-        assert 2 ** len(vae.temperal_downsample) * 2 == SIZE_MULTIPLE, "not Qwen-Image's VAE"
+        if 2 ** len(vae.temperal_downsample) != VAE_COMPRESSION:
+            raise ValueError(f"not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
         self.image_processor = VaeImageProcessor(vae_scale_factor=SIZE_MULTIPLE)
         z_dim = vae.config.z_dim
         self.latents_mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
@@ -119,7 +51,7 @@ class VaeRunner:
     def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
         """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
         fail (a bad latent, or one that does not fit in memory beside the others)."""
-        output = DecodeOutput(finished={}, errors={})
+        output = DecodeOutput()
         try:
             output.finished.update(self._run(batch.requests))
             return output

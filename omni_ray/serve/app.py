@@ -1,4 +1,5 @@
-"""The app builder: ``serve run deployments.app:build_app stage_config=... model=...`` or ``serve run config.yaml``."""
+"""The app builder: ``serve run omni_ray.serve.app:build_app stage_config=... model=...`` or ``serve run
+config.yaml``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from deployments.coordinator import Coordinator
-from deployments.stages import VAE, DiT, Encoder
+from omni_ray import checkpoints
 from omni_ray.config import DeploymentConfig, load_config
+from omni_ray.serve.coordinator import ServeCoordinator
+from omni_ray.serve.deployments import VAE, DiT, Encoder
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class AppArgs(BaseModel):
@@ -30,14 +32,15 @@ class AppArgs(BaseModel):
 def build_app(args: dict) -> Application:
     """Binds the coordinator to the three stage deployments, each built from its stage config."""
     app_args = AppArgs.model_validate(args)
-    config = load_config(resolve_stage_config(app_args.stage_config), model=app_args.model)
+    config = checkpoints.ensure(load_config(resolve_stage_config(app_args.stage_config), model=app_args.model))
     encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
     dit = stage_deployment(DiT, config.dit.deployment).bind(config)
     vae = stage_deployment(VAE, config.vae.deployment).bind(config)
     # A coordinator replica being replaced (a redeploy, a scale-down) finishes the requests it holds, which may run
     # up to their deadline; a stage replica's calls that outlive Serve's default wait are issued again elsewhere.
     drain = {"graceful_shutdown_timeout_s": config.requests.timeout_s}
-    return stage_deployment(Coordinator, config.coordinator, **drain).bind(encoder, dit, vae, config)
+    return stage_deployment(ServeCoordinator, config.coordinator, name="Coordinator", **drain).bind(
+        encoder, dit, vae, config)
 
 
 def stage_deployment(cls: type, options: DeploymentConfig, **more) -> serve.Deployment:

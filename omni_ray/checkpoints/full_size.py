@@ -7,18 +7,15 @@ tokenizer's settings, as published with Qwen/Qwen-Image; they were written throu
 own config classes, whose defaults for these models are the published ones. Nothing here downloads anything.
 
 ``build_meta`` builds the three models on the meta device (no memory, a second) so that their sizes can be checked
-anywhere; ``PUBLISHED_PARAMS`` are the parameter counts of the published checkpoints.
+anywhere, against the published parameter counts (``omni_ray.qwen_image.PUBLISHED_PARAMS``).
 """
 
 from __future__ import annotations
 
 import pathlib
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "model_configs" / "qwen-image"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "model_configs" / "qwen-image"
 
-# Parameters of the published checkpoints: Qwen/Qwen-Image's transformer and VAE, and Qwen2.5-VL-7B-Instruct (its
-# text encoder, vision tower included).
-PUBLISHED_PARAMS = {"transformer": 20_430_401_088, "vae": 126_892_531, "text_encoder": 8_292_166_656}
 
 
 def build_meta(config_dir: str | pathlib.Path = CONFIG_DIR) -> dict:

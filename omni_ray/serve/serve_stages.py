@@ -8,8 +8,6 @@ exactly the lost call again. The DiT's stream is read as references too: progres
 small), the latents are not, so the coordinator never holds a tensor, and it owns every result it passes on (an
 object ``ray.put`` in a replica and yielded by reference can be freed before the next stage reads it).
 
-Its own module, imported by the coordinator: Serve pickles the ingress class when ``@serve.ingress`` runs, before
-anything below the class in its module is defined.
 """
 
 from __future__ import annotations
@@ -23,12 +21,10 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from omni_ray.engine.output import StepDone
-from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageLostError
-from omni_ray.request_path import DenoiseEvent, LatentsReady, PreviewReady, Stages
-from omni_ray.stages.decode import Decoded, OutputMode
-from omni_ray.stages.denoise import DenoiseParams
-from omni_ray.stages.encode import EncodeRequest
+from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageCall, StageLostError
+from omni_ray.records import Decoded, DenoiseParams, EncodeRequest, OutputMode
+from omni_ray.request_path import DenoiseEvent, Stages, read_step_stream
+from omni_ray.serve.ray_private import object_ref, object_ref_stream
 
 # What losing a replica (or the node holding a result) looks like to a caller. Serve reports an input lost with
 # another replica as a RayServeException whose cause is the ActorDiedError.
@@ -40,7 +36,7 @@ class Upstream:
     """A stage's result on its way to another stage, by reference, with the call that made it."""
 
     stage: str
-    call: str
+    call: StageCall
     ref: ray.ObjectRef
 
     async def resolve(self):
@@ -50,7 +46,7 @@ class Upstream:
             raise stage_error(err, self.stage, self.call) from None
 
 
-def stage_error(err: BaseException, stage: str, call: str) -> OmniRayError:
+def stage_error(err: BaseException, stage: str, call: StageCall) -> OmniRayError:
     """What a failed stage call means to the request path, without Ray's traceback text."""
     if isinstance(err, RayTaskError):  # the stage raised: pass its own error on
         err = err.cause
@@ -74,7 +70,9 @@ def cancel(response) -> None:
         pass
 
 
-class ServeStages(Stages):
+class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
+    """The stage protocol over the stage deployments' handles; every result stays a reference."""
+
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle):
         self.encoder, self.vae = encoder, vae
         self.dit_calls, self.dit = dit, dit.options(stream=True)
@@ -84,7 +82,7 @@ class ServeStages(Stages):
         try:
             await self.dit_calls.check_lora.remote(path)
         except Exception as err:
-            raise stage_error(err, "dit", "check_lora") from None
+            raise stage_error(err, "dit", StageCall.CHECK_LORA) from None
 
     def put_image(self, image: np.ndarray) -> ray.ObjectRef:
         return ray.put(image)
@@ -102,36 +100,29 @@ class ServeStages(Stages):
         prompt: DeploymentResponse,
         image_latents: DeploymentResponse | None,
     ) -> AsyncIterator[DenoiseEvent]:
-        inputs = [await _upstream(prompt, "encoder", "encode_prompt")]
+        inputs = [await _upstream(prompt, "encoder", StageCall.ENCODE_PROMPT)]
         if image_latents is not None:
-            inputs.append(await _upstream(image_latents, "vae", "encode_image"))
+            inputs.append(await _upstream(image_latents, "vae", StageCall.ENCODE_IMAGE))
         dit = self.dit.options(multiplexed_model_id=params.lora.name) if params.lora is not None else self.dit
         stream = dit.denoise.remote(request_id, params, *inputs)
         try:
-            refs = await stream._to_object_ref_gen()
-            async for ref in refs:
-                step: StepDone = await ref
-                yield step
-                if step.has_preview:  # the step's preview follows; it goes to the VAE by reference too
-                    yield PreviewReady(await refs.__anext__())
-                if step.step == step.total:  # the latents follow the last step, and stay where they are
-                    yield LatentsReady(await refs.__anext__())
-                    return
-            raise EngineError("the stream ended before the latents", "dit")
+            # Steps are fetched (they are small); previews and latents stay references, for the VAE to read.
+            async for event in read_step_stream(await object_ref_stream(stream), _fetch):
+                yield event
         except Exception as err:
             cancel(stream)
-            raise stage_error(err, "dit", "denoise") from None
+            raise stage_error(err, "dit", StageCall.DENOISE) from None
         except BaseException:  # cancelled, or the caller closed the stream
             cancel(stream)
             raise
 
     async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode) -> Decoded:
-        response = self.vae.decode.remote(request_id, Upstream("dit", "denoise", latents), output)
+        response = self.vae.decode.remote(request_id, Upstream("dit", StageCall.DENOISE, latents), output)
         try:
             return await response
         except Exception as err:
             cancel(response)
-            raise stage_error(err, "vae", "decode") from None
+            raise stage_error(err, "vae", StageCall.DECODE) from None
         except BaseException:
             cancel(response)
             raise
@@ -140,9 +131,13 @@ class ServeStages(Stages):
         cancel(handle)
 
 
-async def _upstream(response: DeploymentResponse, stage: str, call: str) -> Upstream:
+async def _fetch(ref: ray.ObjectRef):
+    return await ref
+
+
+async def _upstream(response: DeploymentResponse, stage: str, call: StageCall) -> Upstream:
     """The response as an ``Upstream`` (waits until Serve has assigned it to a replica, not for its result)."""
     try:
-        return Upstream(stage, call, await response._to_object_ref())
+        return Upstream(stage, call, await object_ref(response))
     except Exception as err:
         raise stage_error(err, stage, call) from None

@@ -15,21 +15,31 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import ray
-from ray import serve
 import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
+from ray import serve
 
-from deployments import metrics
-from deployments.process import freeze_startup_heap
-from deployments.serve_stages import Upstream
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
 from omni_ray.engine.lora_residency import LoraResidency
-from omni_ray.engine.output import StepDone
-from omni_ray.stages.decode import Decoded, DecodeRequest, ImageEncodeRequest, OutputMode
-from omni_ray.stages.denoise import DenoiseParams, DenoiseRequest, Latents
-from omni_ray.stages.encode import EncodedPrompt, EncodeRequest
-from omni_ray.stages.lora import read_lora
+from omni_ray.records import (
+    Decoded,
+    DecodeRequest,
+    DenoiseParams,
+    DenoiseRequest,
+    EncodedPrompt,
+    EncodeRequest,
+    Finished,
+    ImageEncodeRequest,
+    Latents,
+    OutputMode,
+    StepDone,
+)
+from omni_ray.request_path import write_step_stream
+from omni_ray.runners.lora import read_lora
+from omni_ray.serve import metrics
+from omni_ray.serve.process import freeze_startup_heap
+from omni_ray.serve.serve_stages import Upstream
 
 logger = logging.getLogger("ray.serve")
 
@@ -68,26 +78,21 @@ class _EngineShim:
         under its id."""
         result = None
         async for item in self._stream(request, what, timings, timing):
-            result = item
+            result = item.result
         return result
 
     async def _stream(self, request, what: str, timings: dict[str, float], timing: str = "") -> AsyncIterator:
-        """As ``_run``, yielding the engine's ``StepDone`` events before the result."""
+        """As ``_run``, yielding the engine's typed stream: ``StepDone`` and ``Preview`` items, then ``Finished``."""
         start = time.perf_counter()
         name = timing or self.stage
         queued = {}
-        preview_follows = False
         try:
             async for item in self.engine.stream(request, on_start=lambda s: queued.update({f"{name}_queued": s})):
-                if isinstance(item, StepDone):
-                    preview_follows = item.has_preview
-                elif preview_follows:  # a step's preview, not the result
-                    preview_follows = False
-                else:
+                if isinstance(item, Finished):
                     seconds = time.perf_counter() - start
                     metrics.stage_request_latency.observe(seconds, tags=self.tags)
                     logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
-                    item.timings = {**timings, name: seconds, **queued}
+                    item.result.timings = {**timings, name: seconds, **queued}
                 yield item
         except Exception as err:
             metrics.errors.inc(tags={**self.tags, "type": type(err).__name__})
@@ -140,7 +145,7 @@ class DiT(_EngineShim):
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_dit_core(config))
         self.loras = LoraResidency(
-            self.engine, config.dit.max_loras, self.engine.core.runner.lora_shapes,
+            self.engine, config.dit.max_loras, read_lora,
             on_load=lambda name: metrics.lora_loads.inc(tags={**self.tags, "adapter": name}),
         )
 
@@ -158,7 +163,8 @@ class DiT(_EngineShim):
     async def denoise(
         self, request_id: str, params: DenoiseParams, prompt: Upstream, image: Upstream | None = None
     ) -> AsyncIterator[StepDone | Latents]:
-        """Denoises one image: ``StepDone`` after every step, then the latents. An edit brings its input image's
+        """Denoises one image: ``StepDone`` after every step, each followed by what it announces (a preview's
+        latents, or the image's): ``request_path.read_step_stream`` reads it. An edit brings its input image's
         latents (the VAE's ``encode``). The caller reads the stream by reference; closing it aborts the request."""
         encoded: EncodedPrompt = await prompt.resolve()
         image_latents: Latents | None = await image.resolve() if image is not None else None
@@ -167,16 +173,21 @@ class DiT(_EngineShim):
         if params.lora is not None:
             await self._route(params.lora.name)
         async with self.loras.use(params.lora):
-            async for item in self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings):
-                if isinstance(item, Latents):
-                    for outcome, passes in item.dit_passes.items():
-                        if passes:  # Ray's counters refuse 0
-                            metrics.dit_passes.inc(passes, tags={**self.tags, "outcome": outcome})
+            items = self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings)
+            async for item in write_step_stream(self._count_passes(items)):
                 yield item
+
+    async def _count_passes(self, items: AsyncIterator) -> AsyncIterator:
+        async for item in items:
+            if isinstance(item, Finished):
+                for outcome, passes in item.result.dit_passes.items():
+                    if passes:  # Ray's counters refuse 0
+                        metrics.dit_passes.inc(passes, tags={**self.tags, "outcome": outcome})
+            yield item
 
     def stats(self) -> dict:
         """The engine's counters, and its steps by how many requests each advanced (the step-level batching)."""
-        return {**super().stats(), "batch_sizes": dict(self.engine.core.scheduler.batch_sizes),
+        return {**super().stats(), "batch_sizes": self.engine.core.batch_sizes,
                 "loras": [name for name, _ in self.loras.resident], "lora_loads": self.loras.num_loads}
 
 

@@ -1,0 +1,159 @@
+"""A request planned once: validated against the preset, sizes resolved, seeds assigned, true CFG decided.
+
+``plan_request`` turns a body (and an edit's input image) into a ``GenerationPlan``, the one record the request path
+runs; every refusal is a ``RequestError`` naming its field.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
+from omni_ray.config import CacheSettings, PipelineConfig
+from omni_ray.errors import NotFoundError, RequestError
+from omni_ray.qwen_image import check_side, uses_true_cfg
+from omni_ray.records import LoraRef
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationPlan:
+    """A validated request with the preset's defaults filled in: what the coordinator runs."""
+
+    request: ImageGenerationRequest
+    height: int
+    width: int
+    num_inference_steps: int
+    seed: int  # image i uses seed + i
+    cache: CacheSettings | None = None  # the request's, or the preset's default
+    lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
+    quality: str = "auto"  # OpenAI's quality level the steps came from ("auto": steps given or the default)
+    image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
+
+    @property
+    def true_cfg(self) -> bool:
+        """Whether the request runs true CFG (diffusers' rule), decided here once for every stage."""
+        return uses_true_cfg(self.request.true_cfg_scale, self.request.negative_prompt is not None)
+
+    @property
+    def event_prefix(self) -> str:
+        """What OpenAI's streamed events of this kind of request are called."""
+        return "image_generation" if self.image is None else "image_edit"
+
+
+def plan_request(
+    body: object,
+    config: PipelineConfig,
+    count_tokens: Callable[..., int] | None = None,
+    image: np.ndarray | None = None,
+    adapters: Mapping[str, str] | None = None,
+    has_image: bool | None = None,
+) -> GenerationPlan:
+    """Validates ``body`` against the API and the preset; raises RequestError naming the field.
+
+    An edit brings its ``image`` (``load_input_image``'s); its working size is the default output size.
+    ``count_tokens(text, image_size)`` gives a prompt's templated length (the image's tokens included), checked
+    against the encoder's limit. ``adapters`` (name -> file) are the LoRA adapters ``model`` may name. ``has_image``
+    says the request brought an image when ``image`` was not decoded (the preset does not edit).
+    """
+    check_route(config, has_image=image is not None if has_image is None else has_image)
+    request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
+    lora = resolve_model(request, config, adapters or {})
+    height, width = resolve_size(request, config, image.shape[:2] if image is not None else None)
+    if count_tokens is not None:
+        image_size = image.shape[:2] if image is not None else None
+        for field in ("prompt", "negative_prompt"):
+            text = getattr(request, field)
+            if text is not None and (tokens := count_tokens(text, image_size)) > config.encoder.max_model_len:
+                raise RequestError(
+                    f"{field}: {tokens} tokens with the prompt template; the limit is "
+                    f"{config.encoder.max_model_len}",
+                    param=field,
+                )
+    if request.background == "transparent":
+        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque", param="background")
+    if request.style is not None:
+        raise RequestError("style: a dall-e-3 setting that Qwen-Image does not have; describe the style in the "
+                           "prompt", param="style")
+    if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
+        raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
+    return GenerationPlan(
+        request=request,
+        height=height,
+        width=width,
+        num_inference_steps=request.num_inference_steps or quality_steps(request.quality, config),
+        seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
+        cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
+        lora=lora,
+        quality=request.quality if request.num_inference_steps is None else "auto",
+        image=image,
+    )
+
+
+def quality_steps(quality: str, config: PipelineConfig) -> int:
+    """The steps of an OpenAI quality level: the preset's mapping, or its default steps for ``auto``."""
+    if quality == "auto":
+        return config.requests.default_steps
+    return getattr(config.requests.quality_steps, quality)
+
+
+def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, str]
+                  ) -> LoraRef | None:
+    """The LoRA adapter ``model`` names (None for the base model); NotFoundError (404, ``model_not_found``) for a name
+    that is neither, as OpenAI answers."""
+    if request.model in (None, config.name):
+        if "lora_scale" in request.model_fields_set:
+            raise RequestError(f"lora_scale: {config.name!r} is the base model; set `model` to an adapter",
+                               param="lora_scale")
+        return None
+    if request.model not in adapters:
+        known = ", ".join([config.name, *sorted(adapters)])
+        raise NotFoundError(f"model: {request.model!r} does not exist here; the models are {known}", param="model")
+    return LoraRef(request.model, adapters[request.model], request.lora_scale)
+
+
+def check_route(config: PipelineConfig, has_image: bool) -> None:
+    """Raises RequestError (param ``image``) when a request's modality is not the preset's: an edit preset serves
+    /v1/images/edits (an image and a prompt), any other /v1/images/generations (a prompt)."""
+    if has_image and config.edit is None:
+        raise RequestError(f"image: {config.name!r} does not edit images; use /v1/images/generations", param="image")
+    if not has_image and config.edit is not None:
+        raise RequestError(
+            f"image: {config.name!r} edits images; send an `image` and a `prompt` to /v1/images/edits", param="image"
+        )
+
+
+def resolve_size(
+    request: ImageGenerationRequest, config: PipelineConfig, default: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """(height, width) for the request, checked against the preset's limits; ``default`` (an edit's working size)
+    replaces the preset's default size."""
+    limits = config.requests
+    if request.size in (None, "auto"):
+        return default or (limits.default_height, limits.default_width)
+    try:
+        width, height = (int(side) for side in request.size.lower().split("x"))
+    except ValueError:
+        raise RequestError(f"size: expected 'WIDTHxHEIGHT', got {request.size!r}", param="size") from None
+    check_sides(width, height, config, "size")
+    return height, width
+
+
+def check_sides(width: int, height: int, config: PipelineConfig, param: str, what: str = "") -> None:
+    """Raises RequestError (naming ``param``) unless both sides are multiples of Qwen-Image's and within the
+    preset's limits."""
+    limits = config.requests
+    for name, side in (("width", width), ("height", height)):
+        try:
+            check_side(name, side)
+        except ValueError as err:
+            raise RequestError(f"{param}: {what}{err}", param=param) from None
+        if not limits.min_side <= side <= limits.max_side:
+            raise RequestError(
+                f"{param}: {what}{name} {side} is outside {limits.min_side}..{limits.max_side}", param=param
+            )

@@ -1,0 +1,113 @@
+"""What the API sends back: OpenAI's images response, its streamed events, and its error body, with images as
+base64 written so that an event loop is never held for long.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+from omni_ray.api.planning import GenerationPlan
+from omni_ray.errors import OmniRayError
+
+# Megabytes of base64 are built on worker threads, but base64 and json.dumps hold the GIL through a whole call, in
+# which the event loop cannot run. Encoding in chunks and splicing the strings into the JSON (base64 needs no
+# escaping) hands the GIL back every fraction of a millisecond.
+B64_CHUNK = 3 << 16  # bytes per base64 call: a multiple of 3, so the chunks' encodings concatenate
+_B64_SLOT = "\x00b64\x00"  # where an image's base64 goes in the JSON text; json.dumps writes it escaped
+
+
+def b64encode(data: bytes) -> str:
+    """``base64.b64encode(data).decode()``, a chunk at a time so that other threads run in between."""
+    view = memoryview(data)
+    return "".join(base64.b64encode(view[i:i + B64_CHUNK]).decode() for i in range(0, len(view), B64_CHUNK))
+
+
+def json_bytes(body: dict) -> bytes:
+    """``json.dumps(body).encode()`` for an images response or event: its ``b64_json`` strings (in ``body`` or in
+    the items of ``body["data"]``) are spliced in rather than scanned."""
+    images: list[str] = []
+
+    def hollow(item: dict) -> dict:
+        if isinstance(item.get("b64_json"), str):
+            images.append(item["b64_json"])
+            return {**item, "b64_json": _B64_SLOT}
+        return item
+
+    small = hollow(body)
+    if isinstance(small.get("data"), list):
+        small = {**small, "data": [hollow(item) if isinstance(item, dict) else item for item in small["data"]]}
+    first, *rest = json.dumps(small).encode().split(json.dumps(_B64_SLOT).encode())
+    out = bytearray(first)
+    for image, tail in zip(images, rest, strict=True):
+        out += b'"'
+        out += image.encode("ascii")
+        out += b'"'
+        out += tail
+    return bytes(out)
+
+
+def progress_event(plan: GenerationPlan, index: int, step: int, total_steps: int) -> dict:
+    """A streamed event after one denoising step of image ``index``."""
+    return {"type": f"{plan.event_prefix}.progress", "index": index, "step": step, "total_steps": total_steps}
+
+
+def completed_event(plan: GenerationPlan, index: int, data: bytes, stats: dict | None = None) -> dict:
+    """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed`` (and
+    ``image_edit.completed`` for edits); with ``stats`` (``image_stats``'), the image's times and DiT passes."""
+    event = {
+        "type": f"{plan.event_prefix}.completed",
+        "index": index,
+        "b64_json": b64encode(data),
+        "created_at": int(time.time()),
+        **output_fields(plan),
+    }
+    return {**event, **(stats or {})}
+
+
+def partial_image_event(plan: GenerationPlan, index: int, partial_index: int, data: bytes) -> dict:
+    """A streamed preview of image ``index``, after OpenAI's ``image_generation.partial_image`` (and
+    ``image_edit.partial_image`` for edits)."""
+    return {
+        "type": f"{plan.event_prefix}.partial_image",
+        "index": index,
+        "partial_image_index": partial_index,
+        "b64_json": b64encode(data),
+        "created_at": int(time.time()),
+        **output_fields(plan),
+    }
+
+
+QUEUED = "_queued"  # a timing's suffix: the part of a stage's time the request waited before its first step
+
+
+def image_stats(timings: dict[str, float], dit_passes: dict[str, int]) -> dict:
+    """What ``timings: true`` adds to an image: its milliseconds per stage (queueing included), the part of each it
+    queued before the stage's first step that ran it, and its DiT passes computed and reused (true CFG runs two per
+    step; cache acceleration reuses some)."""
+    ms = {stage: round(1000 * seconds, 1) for stage, seconds in timings.items()}
+    return {"timings_ms": {stage: v for stage, v in ms.items() if not stage.endswith(QUEUED)},
+            "queued_ms": {stage.removesuffix(QUEUED): v for stage, v in ms.items() if stage.endswith(QUEUED)},
+            "dit_passes": dit_passes}
+
+
+def images_response(files: list[bytes], plan: GenerationPlan, stats: list[dict] | None = None) -> dict:
+    """OpenAI's images response body; with ``timings``, each image's ``image_stats``."""
+    data = [{"b64_json": b64encode(file)} for file in files]
+    if plan.request.timings and stats is not None:
+        for item, image in zip(data, stats):
+            item.update(image)
+    return {"created": int(time.time()), "data": data, **output_fields(plan)}
+
+
+def output_fields(plan: GenerationPlan) -> dict:
+    """What OpenAI's responses and completed events say of the images besides the images themselves."""
+    return {"size": f"{plan.width}x{plan.height}", "quality": plan.quality, "background": "opaque",
+            "output_format": plan.request.output_format}
+
+
+def error_body(err: OmniRayError) -> dict:
+    """OpenAI's error body for ``err``: the JSON response's, and the ``error`` stream event's."""
+    return {"error": {"message": str(err), "type": err.error_type, "param": getattr(err, "param", None),
+                      "code": getattr(err, "code", None)}}

@@ -1,0 +1,99 @@
+"""The request body of omni-ray's images API, after OpenAI's images API.
+
+``ImageGenerationRequest`` is what ``POST /v1/images/generations`` and the Python client send, and the form fields
+of ``POST /v1/images/edits`` beside its ``image`` file; ``parse_request`` validates it, every error naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from omni_ray.config import CacheSettings, Number, field_errors
+from omni_ray.errors import RequestError
+
+OutputFormat = Literal["png", "jpeg", "webp"]
+MAX_SEED = 2**63 - 1
+
+
+class ImageGenerationRequest(BaseModel):
+    """OpenAI's image generation body, plus Qwen-Image's own knobs (negative prompt, steps, true CFG, seed)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str = Field(..., description="What to draw.")
+    model: str | None = Field(
+        None, description="The served model's name, or a LoRA adapter's (the base model with that adapter); "
+        "optional, checked when given."
+    )
+    lora_scale: Number = Field(1.0, ge=0.0, le=10.0, description="Strength of the `model` adapter (diffusers' "
+                              "adapter weight); only with an adapter.")
+    n: int = Field(1, ge=1, le=10, description="Images to draw; image i uses seed + i.")
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; the preset's default when omitted.")
+    response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 images are served.")
+    output_format: OutputFormat = Field("png", description="Image file format.")
+    output_compression: int | None = Field(None, ge=0, le=100, description="JPEG/WebP quality, 0 to 100.")
+    negative_prompt: str | None = Field(None, description="What to steer away from; turns true CFG on.")
+    num_inference_steps: int | None = Field(None, ge=1, le=200, description="Denoising steps.")
+    true_cfg_scale: Number = Field(
+        4.0, ge=1.0, le=20.0, description="True CFG scale; CFG runs when > 1 with a negative prompt."
+    )
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the first image; random when omitted.")
+    stream: bool = Field(False, description="Answer with server-sent events: progress per step, then each image.")
+    timings: bool = Field(
+        False, description="Add each image's time in every stage (ms, queueing included), the part of it queued, and "
+        "its DiT passes computed and reused."
+    )
+    cache: CacheSettings | None = Field(
+        None, description="DiT cache acceleration for this request ({'kind': 'first_block' or 'teacache', "
+        "'threshold': x}), or null for none; omitted, the preset's. Requests with and without it share step batches."
+    )
+    partial_images: int = Field(
+        0, ge=0, le=3, description="Previews per image while streaming: the clean image the DiT predicts at steps "
+        "spread over the run, each sent as a partial_image event before the image."
+    )
+    quality: Literal["low", "medium", "high", "auto"] = Field(
+        "auto", description="OpenAI's quality: steps as the preset maps them (requests.quality_steps); auto takes "
+        "the preset's default_steps. num_inference_steps, when given, wins."
+    )
+    background: Literal["auto", "opaque", "transparent"] = Field(
+        "auto", description="OpenAI's background: the images are opaque; transparent is refused."
+    )
+    moderation: Literal["auto", "low"] = Field("auto", description="OpenAI's moderation level; accepted, no "
+                                                "moderation model runs here.")
+    style: str | None = Field(None, description="dall-e-3's style; refused (Qwen-Image has no style setting).")
+    user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    safety_identifier: str | None = Field(None, description="OpenAI's successor to `user`; accepted and ignored.")
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _form_field_is_json(cls, value):
+        """A multipart form (edits) carries ``cache`` as JSON text."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            example = '{"kind": "first_block", "threshold": 0.1}'
+            raise ValueError(f"expected a JSON object such as {example}, or null") from None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+def parse_request(body: object, form: bool = False) -> ImageGenerationRequest:
+    """Validates a decoded JSON body, or with ``form`` multipart form fields (all strings, converted as their field
+    needs); raises RequestError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", param=None)
+    try:
+        return ImageGenerationRequest.model_validate(body, strict=not form)
+    except ValidationError as err:
+        param, message = field_errors(err, unknown="unknown parameter")[0]
+        raise RequestError(f"{param}: {message}" if param else message, param=param) from None

@@ -1,0 +1,31 @@
+"""Offline checkpoints in diffusers' layout, and the one step that writes the one a preset names.
+
+``tiny`` writes a small random Qwen-Image (the CPU presets and the tests), ``dummy`` Qwen-Image's full-size configs
+without weights (``weights: dummy``), ``full_size`` holds the published configs. Loading a preset never writes;
+``ensure`` does, and the app builder, the in-process pipeline and ``make`` call it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from omni_ray.config import PipelineConfig, check_checkpoint
+
+
+def ensure(config: PipelineConfig) -> PipelineConfig:
+    """Writes the checkpoint ``config.build_if_missing`` names when its directory is missing, then checks that
+    ``config.model`` holds the preset's kind of checkpoint (ConfigError naming ``model`` otherwise)."""
+    if not config.is_local:
+        return config
+    model_dir = pathlib.Path(config.model)
+    edit = config.edit is not None
+    if config.build_if_missing == "dummy" and not model_dir.exists():
+        from omni_ray.checkpoints.dummy import write_dummy_checkpoint
+
+        write_dummy_checkpoint(model_dir, edit=edit)
+    elif config.build_if_missing and not model_dir.exists():
+        from omni_ray.checkpoints.tiny import write_checkpoint
+
+        write_checkpoint(model_dir, seed=0, size=config.build_if_missing, edit=edit)
+    check_checkpoint(config)
+    return config

@@ -1,0 +1,99 @@
+"""Qwen-Image's facts, each stated once: what the architecture and diffusers' pipelines fix, not settings.
+
+Every layer imports these from here; nothing here imports anything. A checkpoint that disagrees (a VAE with another
+compression, say) is refused where it is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Image sides are multiples of this: the VAE's 8x spatial compression times the transformer's 2x2 patches. One image
+# token covers SIZE_MULTIPLE x SIZE_MULTIPLE pixels.
+SIZE_MULTIPLE = 16
+VAE_COMPRESSION = 8
+LATENT_CHANNELS = 64  # packed latent channels: the VAE's 16 channels x 2x2 patches
+TEXT_HIDDEN = 3584  # Qwen2.5-VL-7B's hidden size: the prompt embeddings' width
+VISION_PATCH = 28  # Qwen2.5-VL's vision tokens: 14-pixel patches merged 2x2
+EDIT_SIDE_MULTIPLE = 2 * SIZE_MULTIPLE  # an edit's input image sides, as diffusers' calculate_dimensions rounds them
+TOKENIZER_MAX_LENGTH = 1024  # diffusers' tokenizer_max_length for text to image; the template's tokens come on top
+
+
+def image_tokens(height: int, width: int) -> int:
+    """The transformer's tokens for an image of ``height`` x ``width`` pixels."""
+    return (height // SIZE_MULTIPLE) * (width // SIZE_MULTIPLE)
+
+
+def latent_grid(height: int, width: int) -> tuple[int, int]:
+    """(rows, cols) of the VAE's latents for an image of ``height`` x ``width`` pixels, before 2x2 packing."""
+    return 2 * (height // SIZE_MULTIPLE), 2 * (width // SIZE_MULTIPLE)
+
+
+def check_side(name: str, side: int) -> None:
+    """Raises ValueError naming ``name`` unless ``side`` (pixels) is a multiple of ``SIZE_MULTIPLE``."""
+    if side % SIZE_MULTIPLE:
+        raise ValueError(f"{name} {side} is not a multiple of {SIZE_MULTIPLE}")
+
+
+def uses_true_cfg(true_cfg_scale: float, has_negative: bool) -> bool:
+    """diffusers' rule: true CFG runs when the scale is above 1 and a negative prompt is given. Decided once, when a
+    request is planned; every later layer reads the decision."""
+    return true_cfg_scale > 1 and has_negative
+
+
+USER_TURN = "<|im_start|>user\n"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTemplate:
+    """One diffusers pipeline's prompt template: the chat around the prompt, and the leading tokens it drops."""
+
+    text: str  # "{}" marks the prompt
+    drop: int  # diffusers' prompt_template_encode_start_idx: the system turn and the user turn's opening
+    truncates: bool  # text to image cuts tokens at 1024 + drop and embeddings at max_sequence_length; edit neither
+
+    @property
+    def dropped_text(self) -> str:
+        """The text of the dropped tokens."""
+        return self.text[: self.text.index(USER_TURN) + len(USER_TURN)]
+
+    @property
+    def has_image(self) -> bool:
+        return IMAGE_PLACEHOLDER in self.text
+
+
+# diffusers' QwenImagePipeline.prompt_template_encode and prompt_template_encode_start_idx.
+TEXT_TO_IMAGE = PromptTemplate(
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    drop=34,
+    truncates=True,
+)
+# diffusers' QwenImageEditPipeline's: the input image's placeholder opens the user turn, after the dropped tokens.
+EDIT = PromptTemplate(
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n" + IMAGE_PLACEHOLDER + "{}<|im_end|>\n<|im_start|>assistant\n",
+    drop=64,
+    truncates=False,
+)
+TEMPLATES = (TEXT_TO_IMAGE, EDIT)
+
+
+def template_for(edit: bool) -> PromptTemplate:
+    """The prompt template of a Qwen-Image (``edit`` False) or Qwen-Image-Edit checkpoint."""
+    return EDIT if edit else TEXT_TO_IMAGE
+
+
+# TeaCache's rescaling polynomial for Qwen-Image (highest power first), as vLLM-Omni ships it
+# (vllm_omni/diffusion/cache/teacache, "from ComfyUI-TeaCache"): it maps the relative change of the first block's
+# modulated input to the expected relative change of the transformer's output.
+QWEN_IMAGE_TEACACHE = (-4.5e2, 2.8e2, -4.5e1, 3.2, -2e-2)
+
+# Parameters of the published checkpoints: Qwen/Qwen-Image's transformer and VAE, and Qwen2.5-VL-7B-Instruct (its
+# text encoder, vision tower included).
+PUBLISHED_PARAMS = {"transformer": 20_430_401_088, "vae": 126_892_531, "text_encoder": 8_292_166_656}
+VISION_PARAMS = 676_550_144  # Qwen2.5-VL-7B's vision tower, inside PUBLISHED_PARAMS["text_encoder"]

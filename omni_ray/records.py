@@ -1,0 +1,252 @@
+"""The records that cross layers: what a stage takes and returns, what its scheduler hands its runner, and what its
+engine streams back. The request path, the engines, the runners and the Serve layer all read them; none of them
+owns them (as vLLM keeps ``SchedulerOutput`` and ``ModelRunnerOutput`` apart from the code that makes them).
+
+Inside a process they are slotted dataclasses; what crosses a Ray boundary holds CPU, contiguous tensors, numpy
+arrays or plain values. torch is named for typing only, so the request path imports this module without it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+
+from omni_ray.config import CacheSettings
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from omni_ray.errors import EngineError
+
+OutputMode = Literal["pixels", "latents", "both"]  # what the VAE stage hands back for a request
+LoraKey = tuple[str, str]  # (name, path): a name loaded again from another file is another adapter
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A request's LoRA adapter: its name, where its file is, and the request's scale (diffusers' adapter weight)."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+
+    @property
+    def key(self) -> LoraKey:
+        return (self.name, self.path)
+
+
+# --- encoder -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PromptEmbeds:
+    """One prompt's embeddings, as they travel to the DiT stage (CPU, contiguous)."""
+
+    embeds: torch.Tensor  # [num_tokens, hidden]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.embeds.shape[0]
+
+
+@dataclass(slots=True)
+class EncodeRequest:
+    """A request as the encoder engine receives it."""
+
+    request_id: str
+    prompt: str
+    negative_prompt: str | None = None  # given only when the request runs true CFG
+    image: np.ndarray | None = None  # edits: the input image, uint8 [H, W, 3], already at its working size
+
+
+@dataclass(slots=True)
+class EncodedPrompt:
+    """The encoder's result for one request; travels to the DiT stage."""
+
+    prompt: PromptEmbeds
+    negative: PromptEmbeds | None
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds this request spent there
+
+
+# --- DiT -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DenoiseParams:
+    """What one image asks of the DiT. ``true_cfg`` is the planner's decision (diffusers' rule,
+    ``qwen_image.uses_true_cfg``); the DiT reads it and never decides again."""
+
+    height: int
+    width: int
+    num_inference_steps: int
+    seed: int
+    true_cfg_scale: float = 1.0
+    cache: CacheSettings | None = None  # DiT cache acceleration; never splits a batch
+    lora: LoraRef | None = None  # a LoRA adapter resident in the runner; never splits a batch either
+    previews: tuple[int, ...] = ()  # steps after which to hand back the clean image the step predicts
+    true_cfg: bool = False  # runs the unconditional pass beside the conditional one
+
+    def __post_init__(self) -> None:
+        if any(not 0 < step < self.num_inference_steps for step in self.previews):
+            raise ValueError(f"previews: steps within 1..{self.num_inference_steps - 1} (the last step's image is the "
+                             "result)")
+
+
+BatchKey = tuple[int, int, bool, "tuple[int, int] | None"]  # height, width, true CFG, an edit's input image size
+
+
+@dataclass(slots=True)
+class DenoiseRequest:
+    """A request as the DiT engine receives it: the prompt's embeddings (and the negative's, for true CFG), and for
+    an edit its input image's latents."""
+
+    request_id: str
+    params: DenoiseParams
+    prompt: PromptEmbeds
+    negative: PromptEmbeds | None = None
+    image: Latents | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.true_cfg and self.negative is None:
+            raise ValueError(f"request {self.request_id}: true CFG needs the negative prompt's embeddings")
+
+    @property
+    def batch_key(self) -> BatchKey:
+        """Requests whose keys match can share a forward pass: same size, CFG mode and edit image size."""
+        image_size = (self.image.height, self.image.width) if self.image is not None else None
+        return (self.params.height, self.params.width, self.params.true_cfg, image_size)
+
+
+@dataclass(slots=True)
+class DenoiseBatch:
+    """One engine step's work for the runner (the DiT scheduler's output)."""
+
+    new_requests: list[DenoiseRequest]  # admitted this step: the runner draws their noise and schedule
+    request_ids: list[str]  # every request stepped this step (new ones included); one batch key
+    freed_ids: list[str]  # requests that left since the last step (aborted): the runner drops their state
+
+
+@dataclass(slots=True)
+class DenoiseOutput:
+    """What one engine step produced (the runner's output)."""
+
+    finished: dict[str, Latents] = field(default_factory=dict)  # request id -> final latents
+    errors: dict[str, EngineError] = field(default_factory=dict)  # request id -> why, for requests that failed alone
+    progress: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (steps done, total steps)
+    previews: dict[str, Latents] = field(default_factory=dict)  # request id -> the clean latents its step predicted
+
+
+@dataclass(slots=True)
+class Latents:
+    """Packed latents, as they travel from the DiT (or an edit's image encode) to the VAE (CPU, contiguous)."""
+
+    latents: torch.Tensor  # [image_tokens, 64]
+    height: int
+    width: int
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, the stages so far
+    dit_passes: dict[str, int] = field(default_factory=dict)  # "computed"/"reused" -> transformer passes (true CFG
+    # runs two per step, each decided apart)
+
+
+# --- VAE -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DecodeRequest:
+    """Latents to decode, as the VAE engine receives them."""
+
+    request_id: str
+    latents: Latents
+    output: OutputMode = "pixels"
+
+    @property
+    def batch_key(self) -> tuple[str, int, int]:
+        return ("decode", self.latents.height, self.latents.width)
+
+
+@dataclass(slots=True)
+class ImageEncodeRequest:
+    """An edit's input image, to become the latents the DiT denoises beside."""
+
+    request_id: str
+    image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)
+
+    @property
+    def batch_key(self) -> tuple[str, int, int]:
+        return ("encode", *self.image.shape[:2])
+
+
+VAERequest = DecodeRequest | ImageEncodeRequest
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """One engine step's work: same-key requests run in one VAE call (the VAE scheduler's output)."""
+
+    requests: list[VAERequest]  # one batch key: all decodes of one size, or all image encodes of one size
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [request.request_id for request in self.requests]
+
+
+@dataclass(slots=True)
+class Decoded:
+    """A request's result, per its output mode; crosses to the coordinator (plain numpy and CPU tensors)."""
+
+    pixels: np.ndarray | None  # [H, W, 3] uint8
+    latents: Latents | None
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, every stage
+    dit_passes: dict[str, int] = field(default_factory=dict)  # the DiT's passes computed and reused (Latents')
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    """What one engine step produced (the runner's output)."""
+
+    finished: dict[str, Decoded | Latents] = field(default_factory=dict)  # request id -> result (Latents for an
+    # ImageEncodeRequest)
+    errors: dict[str, EngineError] = field(default_factory=dict)  # request id -> why, for requests that failed alone
+
+
+# --- a stepping engine's stream --------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class Follows(enum.Enum):
+    """What a stream sends right after a ``StepDone``: nothing, the step's preview, or the request's result. Over Ray
+    the next item is read by reference without being fetched, so the step that precedes it says what it is."""
+
+    NOTHING = "nothing"
+    PREVIEW = "preview"
+    RESULT = "result"
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """A stepping stage's progress for one request: ``step`` of ``total`` steps are done."""
+
+    step: int
+    total: int
+    follows: Follows = Follows.NOTHING
+
+
+@dataclass(frozen=True, slots=True)
+class Preview(Generic[T]):
+    """An intermediate result the request asked for: the DiT's latents of the clean image a step predicts (or, in the
+    request path, a handle to them)."""
+
+    result: T
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(Generic[T]):
+    """The request's stage result (or a handle to it); nothing follows."""
+
+    result: T
+
+
+StreamItem = StepDone | Preview | Finished

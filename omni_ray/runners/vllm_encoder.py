@@ -1,0 +1,174 @@
+"""The encoder stage's forward pass: Qwen2.5-VL under vLLM's V1 ``EngineCore``, in this process.
+
+Token ids (and for edits an image) in, each token's last hidden state out; ``tokenizer`` builds the ids and drops
+the template's tokens from the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import time
+
+import numpy as np
+import torch
+
+
+def local_subfolder(model: str, subfolder: str) -> str:
+    """A checkpoint component's local directory; a hub id is downloaded once into the Hugging Face cache."""
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return str(path / subfolder)
+    from huggingface_hub import snapshot_download
+
+    return str(pathlib.Path(snapshot_download(model, allow_patterns=[f"{subfolder}/*"])) / subfolder)
+
+
+def vision_model_dir(model: str) -> str:
+    """One directory holding ``text_encoder/`` and ``processor/`` side by side, as vLLM loads a multimodal model.
+
+    diffusers keeps Qwen2.5-VL's weights and its processor in two folders; vLLM reads both from its model path. The
+    directory, in the user's cache and named after the checkpoint's path, holds links to both folders' files; each
+    link is checked and replaced atomically when it points elsewhere, so replicas starting together agree.
+    """
+    sources = [pathlib.Path(local_subfolder(model, sub)).resolve() for sub in ("text_encoder", "processor")]
+    digest = hashlib.sha256("\0".join(map(str, sources)).encode()).hexdigest()[:16]
+    merged = pathlib.Path("~/.cache/omni-ray/vision").expanduser() / digest
+    merged.mkdir(parents=True, exist_ok=True)
+    wanted = {file.name: file for source in sources for file in source.iterdir()}
+    for entry in merged.iterdir():
+        if entry.name not in wanted and not entry.name.startswith("."):  # left from an older layout
+            entry.unlink(missing_ok=True)
+    for name, target in wanted.items():
+        link = merged / name
+        if link.is_symlink() and os.readlink(link) == str(target):
+            continue
+        staged = merged / f".{name}.{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(target)
+        os.replace(staged, link)
+    return str(merged)
+
+
+class VllmEncoder:
+    """Token ids (and for edits an image) to last hidden states with vLLM's V1 ``EngineCore``, in this process.
+
+    The only code that touches vLLM's internal engine API, written against vllm 0.32 (pinned): the pooling runner
+    with the ``token_embed`` task over all tokens and no activation gives each token's last hidden state, and vLLM's
+    own scheduler batches concurrent sequences. With ``max_image_pixels`` the model runs with its vision tower:
+    vLLM's input processor runs Qwen2.5-VL's image processor, expands the image placeholder and places the vision
+    embeddings (with their M-RoPE positions) in the sequence; without it, only the language model loads. Call it
+    from one thread.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        max_num_seqs: int = 8,
+        max_model_len: int = 1058,
+        kv_cache_memory_bytes: int = 256 << 20,
+        max_image_pixels: int | None = None,
+        dummy: bool = False,
+        gpu_memory_utilization: float = 0.9,
+    ):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Left on, vLLM replaces the process's logging set-up on import, and a Serve replica loses its log file.
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        from vllm.config import PoolerConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.engine.input_processor import InputProcessor
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        vision = max_image_pixels is not None
+        if vision:
+            # Images reach the encoder already resized to about the preset's area, so the processor's own bound
+            # never binds; it sizes vLLM's encoder budget (its default, 16k tokens per image, would be profiled).
+            modality = {
+                "model": vision_model_dir(model),
+                "limit_mm_per_prompt": {"image": 1, "video": 0},
+                "mm_processor_kwargs": {"max_pixels": max_image_pixels},
+                "mm_processor_cache_gb": 0,
+            }
+        else:
+            modality = {"model": local_subfolder(model, "text_encoder"), "language_model_only": True}
+        self.config = EngineArgs(
+            tokenizer=local_subfolder(model, "tokenizer"),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            runner="pooling",
+            convert="embed",
+            pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
+            load_format="dummy" if dummy else "auto",  # dummy: vLLM's random weights, from the config alone
+            **modality,
+        ).create_engine_config()
+        self.core = EngineCore(self.config, _loopback_executor(UniProcExecutor), log_stats=False)
+        self.pooling_params = PoolingParams(task="token_embed", use_activation=False)
+        self.pooling_params.verify(self.config.model_config)
+        self.input_processor = InputProcessor(self.config) if vision else None
+
+    def add(self, request_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None:
+        """Queues one sequence; with ``image``, its one ``<|image_pad|>`` token stands for the image."""
+        from vllm.v1.engine import EngineCoreRequest
+
+        if image is not None:
+            from PIL import Image
+
+            prompt = {"prompt_token_ids": token_ids, "multi_modal_data": {"image": Image.fromarray(image)}}
+            request = self.input_processor.process_inputs(
+                request_id, prompt, self.pooling_params, supported_tasks=("token_embed",)
+            )
+        else:
+            request = EngineCoreRequest(
+                request_id=request_id,
+                prompt_token_ids=token_ids,
+                mm_features=None,
+                sampling_params=None,
+                pooling_params=self.pooling_params,
+                arrival_time=time.time(),
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+            )
+        self.core.add_request(*self.core.preprocess_add_request(request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def step(self) -> dict[str, torch.Tensor]:
+        """Runs one vLLM step; returns the sequences that finished: id -> ``[num_tokens, hidden]``."""
+        outputs, _ = self.core.step()
+        return {
+            output.request_id: output.pooling_output
+            for batch in outputs.values()
+            for output in batch.outputs
+            if output.finished
+        }
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def _loopback_executor(uniproc_executor: type) -> type:
+    """vLLM's in-process executor, rendezvousing over a loopback TCP port instead of a file.
+
+    On a CPU, vLLM 0.32 sets up its one-process torch.distributed group through a ``/tmp/vllm_dist_*`` file, which
+    only a clean engine shutdown removes: a replica that is killed (SIGKILL, a node stopped, ``serve run`` stopped
+    with SIGTERM) leaves it behind. A TCP store leaves nothing.
+    """
+    from vllm.utils.network_utils import get_distributed_init_method, get_loopback_ip, get_open_port
+
+    class LoopbackUniProcExecutor(uniproc_executor):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            _, rank, local_rank = super()._distributed_args()
+            return get_distributed_init_method(get_loopback_ip(), get_open_port()), rank, local_rank
+
+    return LoopbackUniProcExecutor

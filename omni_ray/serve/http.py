@@ -1,0 +1,116 @@
+"""HTTP plumbing of the ingress: request bodies read with a size limit, an edit's multipart form, server-sent
+events, and omni-ray's errors as OpenAI's error responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.datastructures import UploadFile
+
+from omni_ray.api.responses import error_body, json_bytes
+from omni_ray.errors import OmniRayError, OverloadedError, PayloadTooLargeError, RequestError
+
+MAX_BODY_BYTES = 1 << 20
+
+
+async def error_response(request: Request, err: OmniRayError) -> JSONResponse:
+    """OpenAI's error response for ``err``; a 503 says when to retry."""
+    headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if isinstance(err, OverloadedError) else None
+    return JSONResponse(error_body(err), err.status_code, headers=headers)
+
+
+async def read_limited(request: Request, limit: int, param: str | None = None) -> bytes:
+    """The body, refused as soon as it passes ``limit`` bytes (by its declared length or while it streams in)."""
+    too_large = PayloadTooLargeError(f"request body exceeds {limit} bytes", param=param)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+IMAGE_FIELDS = ("image", "image[]")  # OpenAI's client names one file `image`, a list `image[]`
+
+
+async def json_object(request: Request, fields: tuple[str, ...]) -> dict:
+    """A small JSON body with the string ``fields`` (no others); RequestError naming the first bad one."""
+    try:
+        body = json.loads(await read_limited(request, MAX_BODY_BYTES))
+    except ValueError:
+        raise RequestError("request body is not valid JSON", param=None) from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", param=None)
+    for field in fields:
+        if not isinstance(body.get(field), str) or not body[field]:
+            raise RequestError(f"{field}: required, a non-empty string", param=field)
+    if extra := sorted(set(body) - set(fields)):
+        raise RequestError(f"{extra[0]}: unknown parameter", param=extra[0])
+    return body
+
+
+async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], bytes | None]:
+    """An edit's multipart form: its text fields, and the bytes of its one ``image`` file (None when missing)."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        raise RequestError("request body must be multipart/form-data with an `image` file and a `prompt`", param=None)
+    body = await read_limited(request, limit, param="image")
+
+    async def replay() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form(max_files=4, max_fields=64)
+    except Exception as err:  # Starlette's parser raises HTTPException or MultiPartException
+        raise RequestError(f"malformed multipart body: {getattr(err, 'detail', err)}", param=None) from None
+    fields, images = {}, []
+    try:
+        for name, value in form.multi_items():
+            if name in IMAGE_FIELDS and isinstance(value, UploadFile):
+                images.append(await value.read())
+            elif name == "mask":
+                raise RequestError("mask: masks are not supported; the prompt says what to change", param="mask")
+            elif name in IMAGE_FIELDS or isinstance(value, UploadFile):
+                param = "image" if name in IMAGE_FIELDS else name
+                raise RequestError(f"{param}: expected {'a file' if param == 'image' else 'a text field'}",
+                                   param=param)
+            elif name in fields:
+                raise RequestError(f"{name}: given more than once", param=name)
+            else:
+                fields[name] = value
+    finally:
+        await form.close()  # uploads past 1 MiB spill to temporary files
+    if len(images) > 1:
+        raise RequestError(f"image: one input image per request, got {len(images)}", param="image")
+    return fields, images[0] if images else None
+
+
+async def json_body(request: Request) -> object:
+    """A JSON request body of at most ``MAX_BODY_BYTES``, decoded; RequestError when it is not JSON."""
+    body = await read_limited(request, MAX_BODY_BYTES)
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise RequestError("request body is not valid JSON", param=None) from None
+
+
+async def sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Server-sent events, one ``data:`` line of JSON each; an image's (megabytes of base64) is written on a
+    thread."""
+    async for event in events:
+        if "b64_json" in event:
+            yield await asyncio.to_thread(_sse_line, event)
+        else:
+            yield _sse_line(event)
+
+
+def _sse_line(event: dict) -> bytes:
+    return b"data: " + json_bytes(event) + b"\n\n"

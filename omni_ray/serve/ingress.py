@@ -1,0 +1,270 @@
+"""The CrossEngineCoordinator: the app's ingress, a plain class over the stage protocol.
+
+Each route plans a request (validates it, resolves sizes, assigns seeds, decides true CFG) and views the one event
+stream that ``omni_ray.request_path.run_request`` makes of it: a JSON response drains it, server-sent events forward
+it, handle callers get either. Image files are written, base64-encoded and serialised on threads, never on the event
+loop.
+
+The class knows no Ray: it takes any ``Stages`` (the Serve deployments' in the app, a fake one in tests), and its
+routes are attached when the app is built (``build_api``, after Ray Serve LLM's ``make_fastapi_ingress``), so the
+same routes run under Serve and under starlette's ``TestClient``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from omni_ray.api.images import load_input_image, write_image_file
+from omni_ray.api.planning import GenerationPlan, check_route, plan_request
+from omni_ray.api.responses import (
+    completed_event,
+    error_body,
+    image_stats,
+    images_response,
+    json_bytes,
+    partial_image_event,
+    progress_event,
+)
+from omni_ray.api.schema import ImageGenerationRequest, parse_request
+from omni_ray.config import PipelineConfig
+from omni_ray.errors import NotFoundError, OmniRayError, RequestError
+from omni_ray.records import Decoded, OutputMode
+from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
+from omni_ray.serve import http
+from omni_ray.serve.page import WEB_FILES, page_html
+
+logger = logging.getLogger("ray.serve")
+MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each may take seconds and 100s of MB
+ADAPTER_NAME = re.compile(r"[\w.:-]+")
+
+
+class Observer:
+    """What the coordinator reports as it serves: Prometheus metrics in the app (``serve.app``), nothing in tests."""
+
+    def request_failed(self, err: OmniRayError) -> None: ...
+    def request_done(self, seconds: float, images: int) -> None: ...
+
+
+class Coordinator:
+    """Plans requests and views their event streams: JSON, server-sent events, or records for handle callers.
+
+    ``count_tokens(text, image_size)`` gives a prompt's templated length, checked against the encoder's limit (None
+    skips the check); ``unready()`` names the deployments without a running replica, for ``/health``.
+    """
+
+    def __init__(
+        self,
+        stages: Stages,
+        config: PipelineConfig,
+        count_tokens: Callable[..., int] | None = None,
+        unready: Callable[[], list[str]] = list,
+        observer: Observer | None = None,
+    ):
+        self.stages = stages
+        self.config = config
+        self.count_tokens = count_tokens
+        self.unready = unready
+        self.observer = observer or Observer()
+        self.adapters = dict(config.loras)  # LoRA adapter name -> file: the preset's, then those loaded at run time
+        self.page_html = page_html(config)
+        self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
+
+    # --- routes (attached by build_api) --------------------------------------------------------------------------
+
+    async def generations(self, request: Request) -> Response:
+        with self._counting_errors():
+            check_route(self.config, has_image=False)  # before the body: a wrong route is told which is right
+            body = await http.json_body(request)
+        return await self.respond(await self.plan(body), request)
+
+    async def edits(self, request: Request) -> Response:
+        with self._counting_errors():
+            check_route(self.config, has_image=True)  # before reading an upload the preset cannot use
+            fields, image = await http.edit_form(request, http.MAX_BODY_BYTES + self.config.edit.max_image_bytes)
+            body = parse_request(fields, form=True)
+        return await self.respond(await self.plan(body, image or b""), request)  # b"": "image: required"
+
+    async def page(self) -> HTMLResponse:
+        """The try-it page: a form over the images API with live previews (serve/web)."""
+        return HTMLResponse(self.page_html)
+
+    async def web_file(self, name: str) -> Response:
+        if name not in WEB_FILES:
+            raise NotFoundError(f"no such file: {name}", param=None, code=None)
+        kind, data = WEB_FILES[name]
+        return Response(data, media_type=kind, headers={"Cache-Control": "no-cache"})
+
+    async def models(self) -> dict:
+        """The base model, then each LoRA adapter (``parent``: the base it adapts), as vLLM lists them."""
+        base = {"id": self.config.name, "object": "model", "owned_by": "omni-ray"}
+        adapters = [{"id": name, "object": "model", "owned_by": "omni-ray", "parent": self.config.name, "root": path}
+                    for name, path in self.adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        """Adds an adapter at run time (``{"lora_name", "lora_path"}``), once a DiT replica has read the file and
+        found it fits the transformer; a broken file is a 400 naming ``lora_path`` and changes nothing."""
+        with self._counting_errors():
+            body = await http.json_object(request, ("lora_name", "lora_path"))
+            name, path = body["lora_name"], body["lora_path"]
+            if not ADAPTER_NAME.fullmatch(name) or name == self.config.name:
+                raise RequestError(f"lora_name: {name!r} must be letters, digits, '_', '.', ':' or '-', and not the "
+                                   "base model's name", param="lora_name")
+            if name in self.adapters:
+                raise RequestError(f"lora_name: {name!r} is already loaded; unload it first", param="lora_name")
+            await self.stages.check_lora(path)
+            self.adapters[name] = path
+            logger.info("LoRA adapter %r added from %s", name, path)
+        return JSONResponse({"lora_name": name, "lora_path": path, "status": "loaded"})
+
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        """Removes an adapter (``{"lora_name"}``): requests naming it get a 404 from now on; each DiT replica frees
+        its slot when it needs the room."""
+        with self._counting_errors():
+            name = (await http.json_object(request, ("lora_name",)))["lora_name"]
+            if self.adapters.pop(name, None) is None:
+                raise NotFoundError(f"lora_name: no adapter {name!r} is loaded", param="lora_name")
+            logger.info("LoRA adapter %r removed", name)
+        return JSONResponse({"lora_name": name, "status": "unloaded"})
+
+    async def health(self) -> JSONResponse:
+        """200 once every deployment of the app has a running replica, else 503 naming those without one (still
+        starting, or all lost): the ingress alone answering does not mean a request can be served."""
+        waiting = await asyncio.to_thread(self.unready)
+        if waiting:
+            return JSONResponse({"status": "unavailable", "waiting_for": waiting}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    # --- handle callers: the same views, by method ------------------------------------------------------------
+
+    async def generate(
+        self, body: dict | ImageGenerationRequest, request_id: str | None = None, image: bytes | None = None
+    ) -> dict:
+        """The images response for an OpenAI-style body (and for an edit the input image file), as HTTP gets it."""
+        return await self.json_response(await self.plan(body, image), request_id or uuid.uuid4().hex)
+
+    async def generate_stream(
+        self, body: dict | ImageGenerationRequest, request_id: str | None = None, image: bytes | None = None
+    ) -> AsyncIterator[dict]:
+        """The streamed events, as server-sent events carry them (``handle.options(stream=True)``)."""
+        async for event in self.sse_events(await self.plan(body, image), request_id or uuid.uuid4().hex):
+            yield event
+
+    async def images(
+        self,
+        body: dict | ImageGenerationRequest,
+        request_id: str | None = None,
+        output: OutputMode = "pixels",
+        image: bytes | None = None,
+    ) -> list[Decoded]:
+        """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
+        return await collect(self.events(await self.plan(body, image), request_id or uuid.uuid4().hex, output))
+
+    # --- the one path and its views -----------------------------------------------------------------------------
+
+    async def respond(self, plan: GenerationPlan, request: Request) -> Response:
+        """JSON, or server-sent events when the request streams."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"x-request-id": request_id}
+        if plan.request.stream:
+            return StreamingResponse(http.sse(self.sse_events(plan, request_id)), media_type="text/event-stream",
+                                     headers=headers)
+        body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
+        return Response(body, media_type="application/json", headers=headers)
+
+    async def plan(self, body: dict | ImageGenerationRequest, image: bytes | None = None) -> GenerationPlan:
+        """Validates before any stage sees the request; an edit's image is decoded and resized off the event loop,
+        a few at a time."""
+        with self._counting_errors():
+            pixels = None
+            if image is not None and self.config.edit is not None:
+                async with self.image_slots:
+                    pixels = await asyncio.to_thread(load_input_image, image, self.config)
+            return plan_request(body, self.config, self.count_tokens, pixels, self.adapters,
+                                has_image=image is not None)
+
+    async def events(self, plan: GenerationPlan, request_id: str, output: OutputMode = "pixels"
+                     ) -> AsyncIterator[RequestEvent]:
+        """The request's event stream over the stages, counted and logged."""
+        start = time.perf_counter()
+        async for event in run_request(self.stages, plan, request_id, self.config.requests, output):
+            if isinstance(event, Failed):
+                self.observer.request_failed(event.error)
+                logger.warning("request %s failed: %s", request_id, event.error)
+                yield event
+                return
+            yield event
+        seconds = time.perf_counter() - start
+        self.observer.request_done(seconds, plan.request.n)
+        logger.info("request %s: %d image(s) in %.0f ms", request_id, plan.request.n, 1000 * seconds)
+
+    async def json_response(self, plan: GenerationPlan, request_id: str) -> dict:
+        results = await collect(self.events(plan, request_id))
+        files = await asyncio.gather(*(_image_file(result, plan.request) for result in results))
+        stats = [image_stats(result.timings, result.dit_passes) for result in results]
+        return await asyncio.to_thread(images_response, files, plan, stats)
+
+    async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
+        """Progress after every denoising step of each image, its previews, each image as it is done, or one error
+        event."""
+        async for event in self.events(plan, request_id):
+            if isinstance(event, Progress):
+                yield progress_event(plan, event.index, event.step, event.total)
+            elif isinstance(event, ImagePreview):
+                data = await _image_file(event.result, plan.request)
+                yield await asyncio.to_thread(partial_image_event, plan, event.index, event.partial_index, data)
+            elif isinstance(event, ImageDone):
+                data = await _image_file(event.result, plan.request)
+                result = event.result
+                stats = image_stats(result.timings, result.dit_passes) if plan.request.timings else None
+                yield await asyncio.to_thread(completed_event, plan, event.index, data, stats)
+            else:
+                yield {"type": "error", **error_body(event.error)}
+
+    @contextlib.contextmanager
+    def _counting_errors(self) -> Iterator[None]:
+        """Reports the OmniRayError that leaves the block: a request refused before its stream starts (a failed
+        stream is reported where its error event passes)."""
+        try:
+            yield
+        except OmniRayError as err:
+            self.observer.request_failed(err)
+            raise
+
+
+async def _image_file(result: Decoded, request: ImageGenerationRequest) -> bytes:
+    """The image file of one result, written on a thread (a large PNG takes a good part of a second)."""
+    return await asyncio.to_thread(write_image_file, result.pixels, request.output_format, request.output_compression)
+
+
+# The routes, by method name: what build_api attaches.
+ROUTES = {
+    "generations": ("POST", "/v1/images/generations", {}),
+    "edits": ("POST", "/v1/images/edits", {}),
+    "page": ("GET", "/", {"response_class": HTMLResponse}),
+    "web_file": ("GET", "/web/{name}", {}),
+    "models": ("GET", "/v1/models", {}),
+    "load_lora_adapter": ("POST", "/v1/load_lora_adapter", {}),
+    "unload_lora_adapter": ("POST", "/v1/unload_lora_adapter", {}),
+    "health": ("GET", "/health", {}),
+}
+
+
+def build_api(target: type[Coordinator] | Coordinator) -> FastAPI:
+    """The FastAPI app with every route of ``ROUTES`` attached to ``target``'s methods: a coordinator class, whose
+    methods Serve's ingress binds to each replica's instance (``serve.ingress(build_api(cls))(cls)``), or an
+    instance, served as it is (tests, with starlette's ``TestClient``)."""
+    api = FastAPI(title="omni-ray", description="Qwen-Image behind OpenAI's images API.")
+    api.add_exception_handler(OmniRayError, http.error_response)
+    for name, (method, path, options) in ROUTES.items():
+        api.add_api_route(path, getattr(target, name), methods=[method], **options)
+    return api

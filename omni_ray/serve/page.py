@@ -1,0 +1,24 @@
+"""The try-it page at ``/``: a form over the images API with live previews (``web/``), told the preset's settings."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from omni_ray.config import PipelineConfig
+
+WEB = pathlib.Path(__file__).resolve().parent / "web"
+WEB_FILES = {name: (kind, (WEB / name).read_bytes())
+             for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css"))}
+
+
+def page_html(config: PipelineConfig) -> str:
+    """index.html with what the page needs of the preset: its name, mode, default size and steps, and sizes to offer."""
+    limits = config.requests
+    default = f"{limits.default_width}x{limits.default_height}"
+    squares = [f"{side}x{side}" for side in (64, 128, 256, 512, 1024, 1328)
+               if limits.min_side <= side <= limits.max_side]
+    settings = {"model": config.name, "edit": config.edit is not None, "default_size": default,
+                "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares]))}
+    # "</" cannot end the script element early: JSON allows "<\/" for "</".
+    return (WEB / "index.html").read_text().replace("__SETTINGS__", json.dumps(settings).replace("</", "<\\/"))

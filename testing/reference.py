@@ -1,0 +1,201 @@
+"""References for the tests and benchmarks: the stages chained as diffusers batches them, Qwen2.5-VL run through
+transformers, diffusers' QwenImageEditPipeline with the preset's working area, and photo-like test images.
+
+``ReferencePipeline`` runs the three stage runners in one process without any engine, batching as diffusers'
+``QwenImagePipeline`` batches (all prompts together, the negative prompts in a second encoder pass, CFG's two
+passes separately, one decode): the same operations on the same values, so its pixels equal diffusers' exactly.
+
+diffusers' QwenImageEditPipeline is the reference for edits, with two settings:
+
+1. The working area. diffusers resizes the input image to 1024x1024 pixels (a constant in ``__call__``); the tiny
+   preset uses 128x128, so the reference is run with ``calculate_dimensions`` given the preset's area.
+2. M-RoPE. diffusers 0.42 calls the text encoder with ``input_ids``, ``attention_mask``, ``pixel_values`` and
+   ``image_grid_thw`` but not the ``mm_token_type_ids`` its own processor returns; transformers 5 needs them to
+   give the image tokens their 2D rotary positions and otherwise falls back to 1D positions, which Qwen2.5-VL was
+   not trained with. The reference's text encoder gets them (the processor's values: 1 on image tokens), so it runs
+   Qwen2.5-VL as transformers' processor and model run it together, and as vLLM runs it.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import torch
+from diffusers import QwenImageEditPipeline
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from PIL import Image
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from omni_ray.config import PipelineConfig
+from omni_ray.qwen_image import TEXT_TO_IMAGE, PromptTemplate, uses_true_cfg
+from omni_ray.records import DenoiseParams, PromptEmbeds
+from omni_ray.runners.decode import VaeRunner
+from omni_ray.runners.denoise import DenoiseRunner, DenoiseState
+from omni_ray.runners.tokenizer import PromptTokenizer, to_prompt_embeds
+
+
+class UnfusedDenoiseRunner(DenoiseRunner):
+    """The DiT runner with CFG's two passes run apart, as diffusers runs them. The engine's one forward pads the
+    negative prompt to the prompt's length, which moves float sums by rounding; apart, the values are diffusers'."""
+
+    def predict(self, states: list[DenoiseState]):
+        latents = torch.cat([s.latents for s in states])
+        if states[0].image is not None:
+            latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)
+        timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
+        shapes, loras = [s.img_shapes for s in states], [s.params.lora for s in states]
+        steps = [(s.step_index, s.num_steps) for s in states]
+
+        def branch(texts, index):
+            caches = [s.caches[index] if s.caches else None for s in states]
+            return self._forward(latents, timesteps, texts, shapes, caches, steps, loras)
+
+        cond, caches = branch([s.prompt for s in states], 0)
+        if not states[0].params.true_cfg:
+            return cond, None, caches
+        uncond, uncond_caches = branch([s.negative for s in states], 1)
+        return cond, uncond, caches + uncond_caches
+
+
+class ReferencePipeline:
+    """Loads each stage runner from a preset and runs requests through them as diffusers batches them."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.encoder = PromptEncoder(
+            config.model, getattr(torch, config.encoder.dtype), config.encoder.device,
+            config.encoder.max_sequence_length, config.prompt_template,
+        )
+        self.denoiser = UnfusedDenoiseRunner.load(config.model, getattr(torch, config.dit.dtype), config.dit.device)
+        self.decoder = VaeRunner.load(config.model, getattr(torch, config.vae.dtype), config.vae.device)
+
+    def generate(self, prompts, *, seeds, height, width, num_inference_steps, negative_prompts=None,
+                 true_cfg_scale=4.0, image=None) -> np.ndarray:
+        """Images for ``prompts`` (one seed each), as uint8 ``[B, H, W, 3]``; an edit preset edits ``image``
+        (uint8 ``[H, W, 3]`` at its working size)."""
+        assert len(seeds) == len(prompts) and (image is not None) == (self.config.edit is not None)
+        prompt_embeds = self.encoder.encode(prompts, image)
+        use_cfg = uses_true_cfg(true_cfg_scale, negative_prompts is not None)
+        negative_embeds = self.encoder.encode(negative_prompts, image) if use_cfg else [None] * len(prompts)
+        image_latents = self.decoder.encode([image])[0] if image is not None else None
+        states = [
+            self.denoiser.prepare(
+                DenoiseParams(height, width, num_inference_steps, seed, true_cfg_scale, true_cfg=use_cfg), prompt,
+                negative, image_latents,
+            )
+            for prompt, negative, seed in zip(prompt_embeds, negative_embeds, seeds)
+        ]
+        for _ in range(num_inference_steps):
+            self.denoiser.step(states)
+        return self.decoder.decode([self.denoiser.finish(state) for state in states])
+
+
+def load_reference(checkpoint, token_types: bool = True) -> QwenImageEditPipeline:
+    pipe = QwenImageEditPipeline.from_pretrained(checkpoint)
+    if token_types:
+        text_encoder = pipe.text_encoder
+        forward = text_encoder.forward
+        image_token_id = text_encoder.config.image_token_id
+
+        def forward_with_token_types(input_ids=None, **kwargs):
+            kwargs.setdefault("mm_token_type_ids", (input_ids == image_token_id).long())
+            return forward(input_ids=input_ids, **kwargs)
+
+        text_encoder.forward = forward_with_token_types
+    return pipe
+
+
+def reference_edit(pipe: QwenImageEditPipeline, image_area: int, image: Image.Image, seed: int, **kwargs) -> np.ndarray:
+    """uint8 ``[H, W, 3]``: diffusers' edit of ``image`` with its working area set to ``image_area``."""
+    calculate = pipeline_qwenimage_edit.calculate_dimensions
+    with mock.patch.object(
+        pipeline_qwenimage_edit, "calculate_dimensions", lambda _, ratio: calculate(image_area, ratio)
+    ):
+        pixels = pipe(image=image, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs)
+    return (pixels.images[0] * 255).round().astype(np.uint8)
+
+
+def source_image(width: int, height: int, seed: int) -> Image.Image:
+    """A photo-like input for tests and benchmarks: smooth colour gradients, a bright disc, and some noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    cx, cy = rng.uniform(0.2, 0.8, 2) * (width / max(width, height), height / max(width, height))
+    disc = ((x - cx) ** 2 + (y - cy) ** 2 < 0.04)[..., None]
+    base = np.stack([x, y, 1 - x * y], axis=-1) * rng.uniform(120, 255, 3)
+    pixels = np.where(disc, rng.uniform(0, 255, 3), base) + rng.normal(0, 8, (height, width, 3))
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
+class TransformersTextEncoder:
+    """Token ids (and for edits an image) to last hidden states with transformers' Qwen2.5-VL: the reference.
+
+    Text sequences run as one right-padded batch with an attention mask, exactly as diffusers runs them; a sequence
+    with an image runs alone, as diffusers' edit pipeline runs each prompt with its image.
+    """
+
+    def __init__(self, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, subfolder="text_encoder", dtype=dtype)
+        self.model.to(self.device).eval()
+
+    @torch.no_grad()
+    def __call__(
+        self, token_ids: list[list[int]], pad_token_id: int, vision: dict[str, torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """Returns each sequence's last hidden state, ``[num_tokens_i, hidden]``.
+
+        With ``vision`` (one image's ``pixel_values`` and ``image_grid_thw``), the one sequence holds that image's
+        tokens already expanded.
+        """
+        assert vision is None or len(token_ids) == 1, "one sequence per image"
+        max_len = max(len(ids) for ids in token_ids)
+        input_ids = torch.full((len(token_ids), max_len), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(token_ids), max_len), dtype=torch.long)
+        for row, ids in enumerate(token_ids):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention_mask[row, : len(ids)] = 1
+        vision = {name: value.to(self.device) for name, value in (vision or {}).items()}
+        if vision:
+            vision["pixel_values"] = vision["pixel_values"].to(self.model.dtype)
+            # Which tokens are the image's: transformers 5 places M-RoPE's 2D positions by these (without them it
+            # falls back to 1D positions, which is what diffusers 0.42's edit pipeline gets).
+            vision["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).long().to(self.device)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            output_hidden_states=True,
+            **vision,
+        )
+        hidden = out.hidden_states[-1]
+        return [hidden[row, : len(ids)] for row, ids in enumerate(token_ids)]
+
+
+class PromptEncoder:
+    """Prompts to ``PromptEmbeds`` with the transformers forward pass; the encoder engine swaps in vLLM's."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_sequence_length: int = 512,
+        template: PromptTemplate = TEXT_TO_IMAGE,
+    ):
+        self.tokenizer = PromptTokenizer(model, template)
+        self.text_encoder = TransformersTextEncoder(model, dtype, device)
+        self.max_sequence_length = max_sequence_length
+
+    def encode(self, prompts: list[str], image: np.ndarray | None = None) -> list[PromptEmbeds]:
+        """Every prompt's embeddings; for edits each prompt is encoded with ``image``."""
+        token_ids = [self.tokenizer.tokenize(prompt) for prompt in prompts]
+        if image is None:
+            hidden = self.text_encoder(token_ids, self.tokenizer.pad_token_id)
+        else:
+            vision = self.tokenizer.vision_inputs(image)
+            count = self.tokenizer.image_tokens(*image.shape[:2])
+            hidden = [
+                self.text_encoder([self.tokenizer.expand_image(ids, count)], self.tokenizer.pad_token_id, vision)[0]
+                for ids in token_ids
+            ]
+        return [to_prompt_embeds(h, self.tokenizer.template, self.max_sequence_length) for h in hidden]

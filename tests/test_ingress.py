@@ -1,0 +1,154 @@
+"""The ingress's routes without a Ray cluster: the plain Coordinator over a fake stage protocol, its routes attached
+by build_api, driven by starlette's TestClient. test_serve.py runs the same routes over the real stage deployments."""
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+from conftest import REPO
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from omni_ray.api.images import working_size
+from omni_ray.config import load_config
+from omni_ray.errors import OverloadedError
+from omni_ray.runners.tokenizer import PromptTokenizer
+from omni_ray.serve.ingress import Coordinator, build_api
+from testing.fake_stages import FakeStages
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+def client_for(config, stages=None, unready=list) -> tuple[TestClient, FakeStages]:
+    stages = stages or FakeStages()
+    tokenizer = PromptTokenizer(config.model, config.prompt_template)
+    coordinator = Coordinator(stages, config, tokenizer.num_tokens, unready)
+    return TestClient(build_api(coordinator)), stages
+
+
+@pytest.fixture(scope="module")
+def config(tiny_dir):
+    return load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def client(config):
+    return client_for(config)[0]
+
+
+def image_of(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))))
+
+
+def events_of(response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_json_response_carries_each_image_from_the_stages(client):
+    response = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x96", "n": 2, "seed": 5})
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert body["size"] == "64x96" and len(body["data"]) == 2
+    images = [image_of(item["b64_json"]) for item in body["data"]]
+    assert [image.shape for image in images] == [(96, 64, 3)] * 2
+    assert [int(image[0, 0, 0]) for image in images] == [5, 6]  # the fake's pixels are each image's seed
+
+
+def test_streamed_events_are_progress_previews_then_the_image(client):
+    body = {"prompt": "a cat", "size": "64x64", "seed": 3, "stream": True, "partial_images": 1,
+            "num_inference_steps": 4}
+    response = client.post("/v1/images/generations", json=body)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    kinds = [event["type"] for event in events_of(response)]
+    assert kinds == ["image_generation.progress"] * 4 + ["image_generation.completed"]
+    # previews come from the DiT's stream; the fake sends none, so the request path sends none
+    completed = events_of(response)[-1]
+    assert int(image_of(completed["b64_json"])[0, 0, 0]) == 3
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a cat", "size": "65x64"}, "size"),
+    ({"prompt": "a cat", "n": 0}, "n"),
+    ({"prompt": "a cat", "colour": "red"}, "colour"),
+    ({"prompt": "  "}, "prompt"),
+    ({"prompt": "a cat", "true_cfg_scale": "high"}, "true_cfg_scale"),
+])
+def test_a_bad_field_is_a_400_naming_it(client, body, param):
+    response = client.post("/v1/images/generations", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and set(error) == ERROR_FIELDS
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(param)
+
+
+def test_a_body_that_is_not_json_is_a_400(client):
+    response = client.post("/v1/images/generations", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_an_unknown_model_is_a_404_model_not_found(client):
+    response = client.post("/v1/images/generations", json={"prompt": "a cat", "model": "dall-e-3"})
+    error = response.json()["error"]
+    assert response.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_the_images_route_a_preset_does_not_serve_is_a_400_naming_image(client, edit_dir):
+    files = {"image": ("cat.png", b"\x89PNG not really", "image/png")}
+    for response in (client.post("/v1/images/edits", data={"prompt": "make it blue"}, files=files),
+                     client.post("/v1/images/edits", json={"prompt": "a cat"})):
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "image" and "/v1/images/generations" in error["message"]
+    edit_config = load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir))
+    response = client_for(edit_config)[0].post("/v1/images/generations", json={"prompt": "a cat"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "image" and "/v1/images/edits" in error["message"]
+
+
+def test_an_upload_is_edited_at_its_working_size(edit_dir):
+    config = load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir))
+    client, stages = client_for(config)
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((200, 100, 3), 200, np.uint8)).save(buffer, format="PNG")
+    files = {"image": ("tall.png", buffer.getvalue(), "image/png")}
+    response = client.post("/v1/images/edits", data={"prompt": "make it blue", "seed": "7"}, files=files)
+    assert response.status_code == 200, response.text
+    (stored,) = [call.args[0] for call in stages.calls_to("put_image")]
+    height, width = stored.shape[:2]
+    assert (height, width) == working_size(100, 200, config.edit.image_area) and height > width  # aspect kept
+    assert image_of(response.json()["data"][0]["b64_json"]).shape == (height, width, 3)
+    bad = client.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", b"nope", "image/png")})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "image"
+
+
+def test_a_failed_stream_sends_the_same_error_body_as_json(config):
+    client, _ = client_for(config, FakeStages(fail={"decode": OverloadedError("queue full", 3.0, "vae")}))
+    as_json = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64"})
+    assert as_json.status_code == 503 and as_json.headers["retry-after"] == "3"
+    streamed = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "stream": True})
+    event = events_of(streamed)[-1]
+    assert event["type"] == "error" and event["error"] == as_json.json()["error"]
+    assert set(event["error"]) == ERROR_FIELDS and event["error"]["type"] == "overloaded_error"
+
+
+def test_health_models_and_the_page(config):
+    waiting = ["Encoder"]
+    client, _ = client_for(config, unready=lambda: waiting)
+    assert client.get("/health").status_code == 503 and client.get("/health").json()["waiting_for"] == ["Encoder"]
+    waiting.clear()
+    assert client.get("/health").json() == {"status": "ok"}
+    assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [config.name]
+    page = client.get("/")
+    assert page.status_code == 200 and config.name in page.text
+    assert client.get("/web/app.js").status_code == 200 and client.get("/web/nope.js").status_code == 404
+
+
+def test_adapters_are_checked_by_the_dit_before_they_are_listed(config):
+    client, stages = client_for(config)
+    loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/style"})
+    assert loaded.status_code == 200 and [c.args for c in stages.calls_to("check_lora")] == [("/adapters/style",)]
+    assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [config.name, "style"]
+    again = client.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/style"})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 200
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 404
