@@ -112,6 +112,12 @@ class LocalServe:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(processes, timeout=30)
+        # `ray start --head` wrote the cluster's address here, and `ray stop` would remove it; left behind, a later
+        # `serve run` without an address tries to join the dead cluster for ever.
+        current = pathlib.Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(OSError):
+            if current.read_text().strip().endswith(f":{self.gcs_port}"):
+                current.unlink()
 
     def _cluster_processes(self) -> list[psutil.Process]:
         """The processes naming this cluster's GCS port or its session directory (the head's and the worker

@@ -41,7 +41,10 @@ def three_nodes(tiny_dir, tmp_path_factory):
                         workers=[{PINS["dit"]: 1}, {PINS["vae"]: 1}]) as local:
             yield {"base": local.base_url, "address": local.address, "local": local}
             own = local._cluster_processes()
+            current = pathlib.Path("/tmp/ray/ray_current_cluster")
+            assert current.read_text().strip().endswith(f":{local.gcs_port}")  # `ray start --head` wrote it
         assert not [p for p in own if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "left running"
+        assert not current.exists(), "a stopped cluster's address left for `serve run` to join"
         assert other.poll() is None, "another cluster's process was stopped"
     finally:
         other.kill()
