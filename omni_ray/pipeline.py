@@ -44,8 +44,9 @@ from omni_ray.runners.tokenizer import PromptTokenizer
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs" / "qwen_image_tiny.yaml"
 
 
-class LocalStages(Stages[asyncio.Future]):
-    """The stage protocol on three in-process engines; handles are asyncio tasks holding the records."""
+class LocalStages(Stages[object]):
+    """The stage protocol on three in-process engines. Handles are the records themselves: asyncio tasks that will
+    hold the encoders' results, the edit's pixels, the DiT's latents."""
 
     def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, max_loras: int = 4):
         self.encoder, self.dit, self.vae = encoder, dit, vae

@@ -7,7 +7,6 @@ whose input was lost with another replica raises ``StageLostError`` naming that 
 exactly the lost call again. The DiT's stream is read as references too: progress events are fetched (they are
 small), the latents are not, so the coordinator never holds a tensor, and it owns every result it passes on (an
 object ``ray.put`` in a replica and yielded by reference can be freed before the next stage reads it).
-
 """
 
 from __future__ import annotations
