@@ -34,12 +34,12 @@ NEGATIVE = "blurry, low quality"
 
 def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
     from diffusers.utils import logging as diffusers_logging
-    from testing.reference import load_reference, reference_edit, source_image
 
     from omni_ray.api.images import load_input_image
     from omni_ray.checkpoints.tiny import write_checkpoint
     from omni_ray.config import load_config
     from omni_ray.pipeline import Pipeline
+    from testing.reference import load_reference, reference_edit, source_image
 
     checkpoint = pathlib.Path.home() / ".cache" / "omni-ray" / "bench-small-edit"
     if not (checkpoint / "model_index.json").exists():

@@ -115,9 +115,10 @@ async def send(client, url: str, body: dict, streamed: bool) -> Outcome:
 
 
 async def drive(url: str, *, concurrency: int | None, rate: float | None, duration_s: float, warmup_s: float,
-                seed: int = 0, metrics_url: str | None = None, timeout_s: float = 1800):
+                seed: int = 0, metrics_url: str | None = None, timeout_s: float = 1800, api_key: str | None = None):
     """Runs the load; returns every outcome, the measured window (monotonic start, end) and, with ``metrics_url``,
-    scrapes taken at the window's start and end (so warm-up, the first calls' set-up, is left out)."""
+    scrapes taken at the window's start and end (so warm-up, the first calls' set-up, is left out). ``api_key`` for
+    a server that takes keys."""
     import httpx
 
     mix = request_mix(seed)
@@ -131,7 +132,8 @@ async def drive(url: str, *, concurrency: int | None, rate: float | None, durati
     marks = [asyncio.create_task(scrape_at(at)) for at in window] if metrics_url else []
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
         if concurrency is not None:
             async def worker() -> None:
                 while time.monotonic() < window[1]:
@@ -269,13 +271,14 @@ def _idle_process(delay_s: float, duration_s: float) -> subprocess.Popen:
 
 
 def run(url: str, *, concurrency: int | None = None, rate: float | None = None, duration_s: float = 120,
-        warmup_s: float = 20, metrics_url: str | None = None, seed: int = 0) -> dict:
+        warmup_s: float = 20, metrics_url: str | None = None, seed: int = 0, api_key: str | None = None) -> dict:
     """One load run; the summary (with the coordinator's figures over the window when ``metrics_url`` is given, and
     beside them an idle process's: what the machine alone does to an event loop)."""
     assert (concurrency is None) != (rate is None), "give a concurrency or a rate"
     idle = _idle_process(warmup_s, duration_s) if metrics_url else None
     outcomes, window, scrapes = asyncio.run(drive(url, concurrency=concurrency, rate=rate, duration_s=duration_s,
-                                                  warmup_s=warmup_s, seed=seed, metrics_url=metrics_url))
+                                                  warmup_s=warmup_s, seed=seed, metrics_url=metrics_url,
+                                                  api_key=api_key))
     result = {"concurrency": concurrency, "rate_req_s": rate, **summarize(outcomes, window)}
     if scrapes:
         result.update(coordinator_figures(*scrapes, result["images"]))
@@ -314,13 +317,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=20, help="seconds before the measured window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "load.json"))
+    parser.add_argument("--api-key", default=os.environ.get("OMNI_RAY_API_KEY", "").split(",")[0].strip() or None,
+                        help="for a server that takes keys (default: OMNI_RAY_API_KEY's first)")
     args = parser.parse_args()
     concurrency = args.concurrency if args.concurrency is not None or args.rate is not None else 16
 
     from benchmarks.engine_throughput import machine
 
     result = run(args.url, concurrency=concurrency, rate=args.rate, duration_s=args.duration,
-                 warmup_s=args.warmup, metrics_url=args.metrics_url, seed=args.seed)
+                 warmup_s=args.warmup, metrics_url=args.metrics_url, seed=args.seed, api_key=args.api_key)
     result = {"machine": machine(), "url": args.url, **result}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

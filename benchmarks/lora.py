@@ -32,7 +32,6 @@ NUM_ADAPTERS = 4
 
 def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats: int) -> dict:
     import torch
-    from testing.lora_files import TARGETS, make_adapter
 
     from omni_ray.checkpoints.tiny import write_checkpoint
     from omni_ray.engine.async_engine import AsyncEngine
@@ -42,6 +41,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
     from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
     from omni_ray.runners.denoise import DenoiseRunner
     from omni_ray.runners.lora import read_lora
+    from testing.lora_files import TARGETS, make_adapter
     from testing.reference import PromptEncoder
 
     class OneAdapterPerBatch(DiTScheduler):
@@ -147,10 +147,10 @@ def lora_flops_share(shapes: dict[str, tuple[int, int]], rank: int, targets: tup
 
 def flops_shares(rank: int) -> dict:
     """The LoRA FLOP share for the small checkpoint and for Qwen-Image at full size (built on the meta device)."""
-    from testing.lora_files import TARGETS
     from torch import nn
 
     from omni_ray.checkpoints.full_size import build_meta
+    from testing.lora_files import TARGETS
 
     full = build_meta()["transformer"]
     shapes = {n: (m.in_features, m.out_features) for n, m in full.named_modules() if isinstance(m, nn.Linear)}

@@ -211,6 +211,28 @@ class EditConfig(_Frozen):
         return 4 * self.image_area
 
 
+class LoraSettings(_Frozen):
+    """Adapters loaded at run time (POST /v1/load_lora_adapter): off unless the operator allows them, and then only
+    from files under the given folders."""
+
+    allow_runtime_updates: bool = Field(
+        False, description="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter; off, both answer 403.",
+    )
+    roots: tuple[str, ...] = Field(
+        (), description="Folders (on the DiT's nodes) whose files run-time adapters may come from: a `lora_path` "
+        "that resolves (symlinks and '..' followed, before anything is read) outside all of them is refused. A "
+        "relative `lora_path` is taken under the first.",
+    )
+
+    @model_validator(mode="after")
+    def _check_roots(self) -> LoraSettings:
+        if self.allow_runtime_updates and not self.roots:
+            raise ValueError("roots: allow_runtime_updates needs at least one folder adapters may be read from")
+        if relative := [root for root in self.roots if not root.startswith(("/", "~"))]:
+            raise ValueError(f"roots: {relative[0]!r} is not an absolute path")
+        return self
+
+
 class QualitySteps(_Frozen):
     """Denoising steps for OpenAI's `quality` levels (`auto` takes `default_steps`)."""
 
@@ -287,8 +309,9 @@ class PipelineConfig(_Frozen):
         default_factory=dict,
         description="LoRA adapters known at start, name -> file (diffusers' pytorch_lora_weights.safetensors, or "
         "its folder), on every node that runs the DiT; a request picks one with `model`. POST /v1/load_lora_adapter "
-        "adds more at run time.",
+        "adds more at run time when `lora` allows it.",
     )
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="Adapters loaded at run time.")
     requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
     coordinator: DeploymentConfig = Field(
         default_factory=lambda: DeploymentConfig(max_ongoing_requests=256),

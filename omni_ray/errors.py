@@ -59,6 +59,22 @@ class NotFoundError(RequestError):
         self.code = code
 
 
+class AuthenticationError(RequestError):
+    """The request has no API key, or not one of the server's (OpenAI answers 401 with code ``invalid_api_key``)."""
+
+    status_code = 401
+
+    def __init__(self, message: str):
+        super().__init__(message, param=None)
+        self.code = "invalid_api_key"
+
+
+class ForbiddenError(RequestError):
+    """The server does not allow what the request asks (an admin route the preset keeps off)."""
+
+    status_code = 403
+
+
 class PayloadTooLargeError(RequestError):
     """The request body is larger than the API accepts."""
 

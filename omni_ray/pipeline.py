@@ -38,7 +38,7 @@ from omni_ray.records import (
     OutputMode,
 )
 from omni_ray.request_path import DenoiseEvent, RequestEvent, Stages, collect, run_request
-from omni_ray.runners.lora import read_lora
+from omni_ray.runners.lora import AdapterFiles
 from omni_ray.runners.tokenizer import PromptTokenizer
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs" / "qwen_image_tiny.yaml"
@@ -48,9 +48,11 @@ class LocalStages(Stages[object]):
     """The stage protocol on three in-process engines. Handles are the records themselves: asyncio tasks that will
     hold the encoders' results, the edit's pixels, the DiT's latents."""
 
-    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, max_loras: int = 4):
+    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, max_loras: int = 4,
+                 files: AdapterFiles | None = None):
         self.encoder, self.dit, self.vae = encoder, dit, vae
-        self.loras = LoraResidency(dit, max_loras, read_lora)
+        self.files = files or AdapterFiles()
+        self.loras = LoraResidency(dit, max_loras, self.files.read)
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> LocalStages:
@@ -59,6 +61,7 @@ class LocalStages(Stages[object]):
             AsyncEngine(lambda: build_dit_core(config), "dit").start(),
             AsyncEngine(lambda: build_vae_core(config), "vae").start(),
             config.dit.max_loras,
+            AdapterFiles(config.loras.values(), config.lora.roots),
         )
 
     def put_image(self, image: np.ndarray) -> np.ndarray:
@@ -82,15 +85,15 @@ class LocalStages(Stages[object]):
             async for item in self.dit.stream(request):
                 yield item  # the engine's typed stream; its latents are the handles
 
-    async def decode(self, request_id: str, latents, output: OutputMode) -> Decoded:
-        return await self.vae.generate(DecodeRequest(request_id, latents, output))
+    async def decode(self, request_id: str, latents, output: OutputMode, preview: bool = False) -> Decoded:
+        return await self.vae.generate(DecodeRequest(request_id, latents, output, preview))
 
     def cancel(self, handle) -> None:
         if isinstance(handle, asyncio.Future):
             handle.cancel()
 
-    async def check_lora(self, path: str) -> None:
-        await asyncio.to_thread(read_lora, path, self.loras.shapes)
+    async def check_lora(self, path: str) -> str:
+        return await asyncio.to_thread(self.files.check, path, self.loras.shapes)
 
     def shutdown(self) -> None:
         for engine in (self.encoder, self.dit, self.vae):

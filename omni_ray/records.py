@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, NamedTuple, TypeVar
 
 from omni_ray.config import CacheSettings
 
@@ -150,6 +150,23 @@ class Latents:
     # runs two per step, each decided apart)
 
 
+# --- the API's accounting ----------------------------------------------------------------------------------------
+
+
+class TokenCount(NamedTuple):
+    """Tokens the text encoder reads for one templated prompt: its text, and an edit's input image's vision tokens."""
+
+    text: int
+    image: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.text + self.image
+
+    def __add__(self, other: TokenCount) -> TokenCount:  # type: ignore[override]
+        return TokenCount(self.text + other.text, self.image + other.image)
+
+
 # --- VAE -----------------------------------------------------------------------------------------------------------
 
 
@@ -160,10 +177,11 @@ class DecodeRequest:
     request_id: str
     latents: Latents
     output: OutputMode = "pixels"
+    preview: bool = False  # a streamed preview: decoded in batches of previews only, after waiting final images
 
     @property
     def batch_key(self) -> tuple[str, int, int]:
-        return ("decode", self.latents.height, self.latents.width)
+        return ("preview" if self.preview else "decode", self.latents.height, self.latents.width)
 
 
 @dataclass(slots=True)

@@ -73,16 +73,18 @@ class Stages(ABC, Generic[Handle]):
         ``Finished``; both carry handles to latents. Closing it aborts the call."""
 
     @abstractmethod
-    async def decode(self, request_id: str, latents: Handle, output: OutputMode) -> Decoded:
-        """The image's result per ``output``: pixels, latents or both."""
+    async def decode(self, request_id: str, latents: Handle, output: OutputMode, preview: bool = False) -> Decoded:
+        """The image's result per ``output``: pixels, latents or both; a ``preview``'s pixels are decoded apart from
+        final images."""
 
     @abstractmethod
     def cancel(self, handle: Handle) -> None:
         """Cancels a started call; a no-op on finished ones."""
 
     @abstractmethod
-    async def check_lora(self, path: str) -> None:
-        """Raises RequestError (naming ``lora_path``) unless the DiT finds ``path`` an adapter it can take."""
+    async def check_lora(self, path: str) -> str:
+        """The resolved path of a run-time adapter the DiT can take; RequestError (naming ``lora_path``) when
+        ``path`` is outside the preset's ``lora.roots`` or not an adapter of its transformer."""
 
 
 @dataclass(slots=True)
@@ -269,7 +271,8 @@ class _Previews:
         number = len(self.decodes)
         if number >= self.count:  # a denoise issued again after a lost replica previews its steps again
             return
-        self.decodes.append(asyncio.ensure_future(self.stages.decode(f"{call_id}-preview{number}", latents, "pixels")))
+        self.decodes.append(asyncio.ensure_future(self.stages.decode(f"{call_id}-preview{number}", latents, "pixels",
+                                                                 preview=True)))
         before = self.emitted[-1] if self.emitted else None
         self.emitted.append(asyncio.ensure_future(self._emit(number, before)))
 

@@ -1,6 +1,6 @@
 """A fake stage protocol for tests of the request path and the ingress, where the engines are not the subject: it
 records every call, and can lose, fail or hang the calls it is told to. Its images are flat: every pixel is the
-image's seed (mod 256), at the requested size."""
+image's seed (mod 256), at the requested size; a preview's are the seed plus its step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 
 from omni_ray.errors import StageCall, StageLostError
-from omni_ray.records import Decoded, Finished, StepDone
+from omni_ray.records import Decoded, Finished, Follows, Preview, StepDone
 from omni_ray.request_path import Stages
 
 
@@ -76,16 +76,24 @@ class FakeStages(Stages[Call]):
         await self._run(call)
         for step in range(1, params.num_inference_steps + 1):
             await asyncio.sleep(0)
-            yield StepDone(step, params.num_inference_steps)
+            if step in params.previews:
+                yield StepDone(step, params.num_inference_steps, Follows.PREVIEW)
+                yield Preview(Call("preview", (step, params)))
+            else:
+                yield StepDone(step, params.num_inference_steps)
         if self._loses("denoise"):
             raise StageLostError("dit", StageCall.DENOISE)
         yield Finished(call)
 
-    async def decode(self, request_id, latents, output):
+    async def decode(self, request_id, latents, output, preview=False):
         call = self._call("decode", request_id, latents, output)
         await self._run(call)
         if self._loses("decode"):
             raise StageLostError("vae", StageCall.DECODE)
+        if latents.name == "preview":
+            step, params = latents.args
+            return Decoded(pixels=np.full((params.height, params.width, 3), (params.seed + step) % 256, np.uint8),
+                           latents=None)
         params = latents.args[1]
         pixels = np.full((params.height, params.width, 3), params.seed % 256, np.uint8)
         return Decoded(pixels=pixels if output != "latents" else None, latents=None)
@@ -96,3 +104,4 @@ class FakeStages(Stages[Call]):
     async def check_lora(self, path):
         call = self._call("check_lora", path)
         await self._run(call)
+        return path

@@ -3,7 +3,9 @@
     with LocalServe("config.yaml", model="/tmp/tiny") as served:
         ...  # served.base_url, served.address
 
-With ``workers``, more raylets join the head on this machine (``ray start --address``), each a node of its own with
+``preset`` replaces the stage config the app is built from (a preset's YAML as a dict); ``env`` is added to the
+environment of the cluster's processes (``OMNI_RAY_API_KEY``, say). With ``workers``, more raylets join the head on
+this machine (``ray start --address``), each a node of its own with
 the custom resources given, so presets that pin stages by resource run across nodes as on a real cluster.
 
 Metrics are exported for Prometheus at ``served.metrics_url``. The head runs without the dashboard (it costs about
@@ -44,8 +46,9 @@ class LocalServe:
 
     def __init__(self, config: str | pathlib.Path, model: str | None = None, num_cpus: int = 4,
                  ready_timeout_s: float = 300.0, head_resources: dict[str, float] | None = None,
-                 workers: list[dict[str, float]] = ()):
+                 workers: list[dict[str, float]] = (), preset: dict | None = None, env: dict[str, str] | None = None):
         self.config = yaml.safe_load(pathlib.Path(config).read_text())
+        self.preset = preset
         self.port, self.gcs_port, self.metrics_port = free_port(), free_port(), free_port()
         self.config["http_options"]["port"] = self.port
         if model is not None:
@@ -59,13 +62,16 @@ class LocalServe:
         self.address = f"127.0.0.1:{self.gcs_port}"
         # Metrics reach the exporter every second instead of every ten, so tests see them soon.
         self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-                        RAY_metrics_report_interval_ms="1000")
+                        RAY_metrics_report_interval_ms="1000", **(env or {}))
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="omni-ray-serve-"))
         self.log_path = self.workdir / "serve.log"
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> LocalServe:
         self.started_at = time.time()
+        if self.preset is not None:
+            (self.workdir / "preset.yaml").write_text(yaml.safe_dump(self.preset))
+            self.config["applications"][0]["args"]["stage_config"] = str(self.workdir / "preset.yaml")
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(self.config))
         subprocess.run(
             [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",

@@ -12,20 +12,28 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from omni_ray.api.images import working_size
-from omni_ray.config import load_config
+from omni_ray.config import LoraSettings, load_config
 from omni_ray.errors import OverloadedError
+from omni_ray.runners import lora as lora_module
+from omni_ray.runners.lora import AdapterFiles
 from omni_ray.runners.tokenizer import PromptTokenizer
-from omni_ray.serve.ingress import Coordinator, build_api
+from omni_ray.serve.adapters import MemoryAdapters
+from omni_ray.serve.api_keys import ApiKeys
+from omni_ray.serve.ingress import ROUTES, Coordinator, build_api
 from testing.fake_stages import FakeStages
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
-def client_for(config, stages=None, unready=list) -> tuple[TestClient, FakeStages]:
+def client_for(config, stages=None, unready=list, **options) -> tuple[TestClient, FakeStages]:
     stages = stages or FakeStages()
     tokenizer = PromptTokenizer(config.model, config.prompt_template)
-    coordinator = Coordinator(stages, config, tokenizer.num_tokens, unready)
+    coordinator = Coordinator(stages, config, tokenizer.num_tokens, unready, **options)
     return TestClient(build_api(coordinator)), stages
+
+
+def allowing_runtime_adapters(config, *roots):
+    return config.model_copy(update={"lora": LoraSettings(allow_runtime_updates=True, roots=roots or ("/adapters",))})
 
 
 @pytest.fixture(scope="module")
@@ -50,22 +58,27 @@ def test_json_response_carries_each_image_from_the_stages(client):
     response = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x96", "n": 2, "seed": 5})
     assert response.status_code == 200 and response.headers["content-type"] == "application/json"
     body = response.json()
-    assert body["size"] == "64x96" and len(body["data"]) == 2
+    assert "size" not in body  # OpenAI's schema allows three sizes there; the image has its own
     images = [image_of(item["b64_json"]) for item in body["data"]]
     assert [image.shape for image in images] == [(96, 64, 3)] * 2
     assert [int(image[0, 0, 0]) for image in images] == [5, 6]  # the fake's pixels are each image's seed
 
 
-def test_streamed_events_are_progress_previews_then_the_image(client):
+def test_streamed_events_are_previews_then_the_image_and_progress_only_when_asked(client):
     body = {"prompt": "a cat", "size": "64x64", "seed": 3, "stream": True, "partial_images": 1,
             "num_inference_steps": 4}
     response = client.post("/v1/images/generations", json=body)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     kinds = [event["type"] for event in events_of(response)]
-    assert kinds == ["image_generation.progress"] * 4 + ["image_generation.completed"]
-    # previews come from the DiT's stream; the fake sends none, so the request path sends none
-    completed = events_of(response)[-1]
+    assert kinds == ["image_generation.partial_image", "image_generation.completed"]
+    preview, completed = events_of(response)
+    assert int(image_of(preview["b64_json"])[0, 0, 0]) == 3 + 2  # the fake's preview of step 2
     assert int(image_of(completed["b64_json"])[0, 0, 0]) == 3
+    asked = events_of(client.post("/v1/images/generations", json={**body, "progress": True}))
+    assert [event["type"] for event in asked] == ["image_generation.progress"] * 2 + [
+        "image_generation.partial_image"] + ["image_generation.progress"] * 2 + ["image_generation.completed"]
+    assert [(event["step"], event["total_steps"]) for event in asked if "step" in event] == [(1, 4), (2, 4), (3, 4),
+                                                                                           (4, 4)]
 
 
 @pytest.mark.parametrize("body, param", [
@@ -137,18 +150,116 @@ def test_health_models_and_the_page(config):
     assert client.get("/health").status_code == 503 and client.get("/health").json()["waiting_for"] == ["Encoder"]
     waiting.clear()
     assert client.get("/health").json() == {"status": "ok"}
-    assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [config.name]
+    (base,) = client.get("/v1/models").json()["data"]
+    assert base["id"] == config.name and base["created"] > 0
     page = client.get("/")
     assert page.status_code == 200 and config.name in page.text
     assert client.get("/web/app.js").status_code == 200 and client.get("/web/nope.js").status_code == 404
 
 
 def test_adapters_are_checked_by_the_dit_before_they_are_listed(config):
-    client, stages = client_for(config)
+    client, stages = client_for(allowing_runtime_adapters(config))
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/style"})
     assert loaded.status_code == 200 and [c.args for c in stages.calls_to("check_lora")] == [("/adapters/style",)]
-    assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [config.name, "style"]
+    assert loaded.json() == {"lora_name": "style", "status": "loaded"}  # no path in any response
+    models = client.get("/v1/models").json()["data"]
+    assert [model["id"] for model in models] == [config.name, "style"]
+    assert "/adapters" not in json.dumps(models)
     again = client.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/style"})
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 200
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 404
+
+
+KEYED_ROUTES = [("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
+                ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
+
+
+def test_every_v1_route_takes_an_api_key_when_the_server_has_keys(config):
+    client, stages = client_for(allowing_runtime_adapters(config), api_keys=ApiKeys.from_env(
+        {"OMNI_RAY_API_KEY": "sk-first, sk-second"}))
+    assert {path for _, path, _ in ROUTES.values() if path.startswith("/v1/")} == {path for _, path in KEYED_ROUTES}  # a new /v1 route must be listed here too
+    wrong = [{}, {"Authorization": "Bearer sk-third"}, {"Authorization": "sk-first"}, {"X-Api-Key": "sk-first"},
+             {"Authorization": "Basic sk-first"}]
+    for method, path in KEYED_ROUTES:
+        for headers in wrong:
+            response = client.request(method, path, headers=headers, json={"prompt": "a cat"})
+            error = response.json()["error"]
+            assert response.status_code == 401, (path, headers)
+            assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_api_key", None)
+            assert "sk-" not in error["message"]  # a key is never echoed
+    assert not stages.calls  # nothing reached the stages
+    for key in ("sk-first", "sk-second"):
+        response = client.post("/v1/images/generations", headers={"Authorization": f"Bearer {key}"},
+                               json={"prompt": "a cat", "size": "64x64"})
+        assert response.status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/web/app.js").status_code == 200
+    page = client.get("/")
+    assert page.status_code == 200 and '"api_key": true' in page.text  # the page asks for the key
+    assert '"api_key": false' in client_for(config)[0].get("/").text
+
+
+def test_runtime_adapters_are_refused_unless_the_preset_allows_them(config):
+    client, stages = client_for(config)
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "s", "lora_path": "/adapters/s"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "s"})):
+        response = client.post(path, json=body)
+        assert response.status_code == 403 and "lora.allow_runtime_updates" in response.json()["error"]["message"]
+    assert not stages.calls_to("check_lora")
+
+
+def test_coordinators_sharing_a_store_serve_each_others_adapters(config):
+    """Two coordinator replicas over one store (the app's is the cluster's key-value store): an adapter loaded
+    through one is served by the other, and by a replica started after; unloaded through one, by neither."""
+    config = allowing_runtime_adapters(config)
+    store = MemoryAdapters()
+    first, stages = client_for(config, adapters=store)
+    second, _ = client_for(config, stages, adapters=store)
+    body = {"prompt": "a cat", "size": "64x64", "model": "style", "num_inference_steps": 2}
+    assert second.post("/v1/images/generations", json=body).status_code == 404
+    assert first.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/s"}).status_code \
+        == 200
+    later, _ = client_for(config, stages, adapters=store)
+    for client in (second, later):
+        assert client.post("/v1/images/generations", json=body).status_code == 200
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [config.name, "style"]
+    lora = stages.calls_to("denoise")[-1].args[1].lora
+    assert (lora.name, lora.path) == ("style", "/adapters/s")
+    assert second.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/s"}).status_code \
+        == 400
+    assert later.post("/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 200
+    assert first.post("/v1/images/generations", json=body).status_code == 404
+
+
+class ConfinedStages(FakeStages):
+    """The fake stages with the DiT's real check of a run-time adapter's path."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.files = AdapterFiles(roots=[str(root)])
+
+    async def check_lora(self, path):
+        return self.files.check(path, {})  # no Linear layers: any file that is read is refused as not fitting
+
+
+def test_adapter_paths_outside_the_roots_are_refused_without_reading_them(config, tmp_path, monkeypatch):
+    root, outside = tmp_path / "adapters", tmp_path / "private"
+    root.mkdir(), outside.mkdir()
+    secret = outside / "pytorch_lora_weights.safetensors"
+    secret.write_bytes(b"\x00" * 64)
+    (root / "inside.safetensors").write_bytes(b"\x00" * 64)
+    (root / "link").symlink_to(outside)
+    (root / "file_link.safetensors").symlink_to(secret)
+    read = []
+    monkeypatch.setattr(lora_module, "read_lora", lambda path, shapes: read.append(path) or {})
+    client, _ = client_for(allowing_runtime_adapters(config, str(root)), ConfinedStages(root))
+    for path in (str(secret), str(outside), f"{root}/../private/pytorch_lora_weights.safetensors", "../private",
+                 str(root / "link" / "pytorch_lora_weights.safetensors"), str(root / "file_link.safetensors"),
+                 "link", "/etc/passwd", str(tmp_path)):
+        response = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (400, "lora_path"), path
+        assert str(tmp_path) not in json.dumps(error) and "private" not in error["message"]  # no path echoed
+    assert read == []  # nothing outside the root was read
+    loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "inside.safetensors"})
+    assert loaded.status_code == 200 and read == [str(root / "inside.safetensors")]  # relative: under the root

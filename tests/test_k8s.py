@@ -171,3 +171,15 @@ def containers(doc):
     for group in cluster["workerGroupSpecs"]:
         yield from group["template"]["spec"]["containers"]
 
+
+
+def test_every_ray_container_reads_the_api_keys_from_a_secret():
+    """The coordinator may run on any pod: each one's OMNI_RAY_API_KEY comes from the same Secret."""
+    for path, doc in rayservices():
+        cluster = doc["spec"]["rayClusterConfig"]
+        templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        for template in templates:
+            for container in template["spec"]["containers"]:
+                env = {item["name"]: item for item in container.get("env", [])}
+                assert env["OMNI_RAY_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "omni-ray-api-keys",
+                                                                                 "key": "keys"}, path.name

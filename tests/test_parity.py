@@ -66,7 +66,11 @@ def test_pixels_equal_diffusers_in_process(reference, ours, case):
     )
     assert got.dtype == np.uint8 and got.shape == (len(prompts), height, width, 3)
     assert expected.std() > 10  # a real image, not a flat one that any pipeline would match
-    assert np.abs(got.astype(int) - expected.astype(int)).max() == 0
+    # Our VAE decodes a lone image in a batch of two (on the CPU PyTorch's batch-of-one convolutions sum otherwise,
+    # and an image must not depend on what shared its decode): one level from diffusers' batch of one, at most.
+    # Batches of two or more are diffusers' pixels exactly; the latents are, always (the next test).
+    difference = np.abs(got.astype(int) - expected.astype(int))
+    assert difference.max() == 0 if len(prompts) > 1 else difference.max() <= 1 and difference.mean() < 0.01
 
 
 def test_stage_records_equal_diffusers(reference, ours):

@@ -178,3 +178,17 @@ def test_vae_batches_same_size_oldest_first():
         outputs = scheduler.update_from_output(batch, result)
         assert [o.request_id for o in outputs] == batches[-1] and all(o.finished for o in outputs)
     assert batches == [["a", "b"], ["w1", "w2"]]
+
+
+def test_vae_decodes_previews_apart_from_final_images_and_after_them():
+    scheduler = VAEScheduler(max_batch_size=4)
+    scheduler.add_request(DecodeRequest("p1", Latents(torch.zeros(1), *SQUARE), preview=True))
+    scheduler.add_request(decode_request("a", SQUARE))
+    scheduler.add_request(DecodeRequest("p2", Latents(torch.zeros(1), *SQUARE), preview=True))
+    scheduler.add_request(decode_request("b", SQUARE))
+    batches = []
+    while scheduler.has_requests():
+        batch = scheduler.schedule()
+        batches.append([r.request_id for r in batch.requests])
+        scheduler.update_from_output(batch, DecodeOutput(finished={r: Decoded(None, None) for r in batches[-1]}))
+    assert batches == [["a", "b"], ["p1", "p2"]]

@@ -10,10 +10,12 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import REPO
 
 from omni_ray.api.client import connect_ray
 from testing.local_serve import LocalServe
+from testing.openai_api import conforms
 from testing.serving import (
     assert_stops_within_10_s_leaving_no_vllm_file,
     expected,
@@ -27,10 +29,15 @@ from testing.serving import (
 
 pytestmark = pytest.mark.serve
 @pytest.fixture(scope="module")
-def served(tiny_dir):
-    """`serve run` on the repository's config.yaml (a free port, the test checkpoint) on a fresh local cluster."""
-    with LocalServe(REPO / "config.yaml", model=str(tiny_dir)) as local:
-        yield {"base": local.base_url, "address": local.address, "metrics": local.metrics_url, "local": local}
+def served(tiny_dir, tmp_path_factory):
+    """`serve run` on the repository's config.yaml (a free port, the test checkpoint) on a fresh local cluster, its
+    preset allowing run-time adapters from one folder."""
+    adapters = tmp_path_factory.mktemp("adapters")
+    preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
+    preset["lora"] = {"allow_runtime_updates": True, "roots": [str(adapters)]}
+    with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=preset) as local:
+        yield {"base": local.base_url, "address": local.address, "metrics": local.metrics_url, "local": local,
+               "adapters": adapters}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,7 @@ def test_replicas_run_their_presets_threads_and_idle_threads_sleep(served):
             assert env.get("OMP_NUM_THREADS") == "2", name  # the tiny preset's torch_threads
 
 
-def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served, tiny_dir, tmp_path):
+def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served, tiny_dir):
     """Issue 16: an adapter loaded at run time serves `model="A"` as diffusers' load_lora_weights does; an unknown
     adapter is a 404 naming `model`, a broken file a 400 naming `lora_path`, and the service keeps serving."""
     import openai
@@ -68,9 +75,10 @@ def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served
 
     from testing.lora_files import make_adapter
 
-    adapter = str(make_adapter(tiny_dir, tmp_path / "A", rank=4, alpha=8, seed=1))
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "pytorch_lora_weights.safetensors").write_bytes(b"\x00" * 64)
+    root = served["adapters"]
+    adapter = str(make_adapter(tiny_dir, root / "A", rank=4, alpha=8, seed=1))
+    (root / "broken").mkdir()
+    (root / "broken" / "pytorch_lora_weights.safetensors").write_bytes(b"\x00" * 64)
     client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
     load, unload = served["base"] + "/v1/load_lora_adapter", served["base"] + "/v1/unload_lora_adapter"
     body = {"seed": 3, "num_inference_steps": 2, "lora_scale": 0.8}
@@ -88,8 +96,9 @@ def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served
     with pytest.raises(openai.NotFoundError) as info:
         client.images.generate(model="B", prompt="a red cat", size="64x64")
     assert (info.value.param, info.value.code) == ("model", "model_not_found")
-    for payload, param in (({"lora_name": "B", "lora_path": str(tmp_path / "broken")}, "lora_path"),
-                           ({"lora_name": "B", "lora_path": str(tmp_path / "missing")}, "lora_path"),
+    for payload, param in (({"lora_name": "B", "lora_path": str(root / "broken")}, "lora_path"),
+                           ({"lora_name": "B", "lora_path": str(root / "missing")}, "lora_path"),
+                           ({"lora_name": "B", "lora_path": str(root / ".." / "elsewhere")}, "lora_path"),
                            ({"lora_name": "A", "lora_path": adapter}, "lora_name"),
                            ({"lora_name": "qwen-image-tiny", "lora_path": adapter}, "lora_name"),
                            ({"lora_name": "B"}, "lora_path")):
@@ -110,7 +119,8 @@ def test_http_images_match_diffusers_with_seed_per_image(served, reference):
             "negative_prompt": "blurry", "true_cfg_scale": 4.0, "response_format": "b64_json"}
     status, response = post(served["base"] + "/v1/images/generations", body)
     assert status == 200, response
-    assert response["size"] == "96x64" and len(response["data"]) == 2
+    assert len(response["data"]) == 2
+    conforms("ImagesResponse", response)
     for i, item in enumerate(response["data"]):
         pixels = png(item["b64_json"])
         assert pixels.shape == (64, 96, 3)
@@ -142,11 +152,12 @@ def test_openai_image_parameters_through_the_openai_client(served):
     result = client.images.generate(model="qwen-image-tiny", prompt="a red cat", size="auto", quality="low",
                                     background="opaque", moderation="low", user="u-1", output_format="webp",
                                     extra_body={"timings": True})
-    assert (result.size, result.quality, result.background, result.output_format) == ("256x256", "low", "opaque",
-                                                                                      "webp")
+    # 256x256 is not among the three sizes OpenAI's schema allows in a response: the field is left out
+    assert (result.size, result.quality, result.background, result.output_format) == (None, "low", "opaque", "webp")
+    conforms("ImagesResponse", result.to_dict())
     assert result.data[0].model_extra["dit_passes"]["computed"] == 2  # quality=low: the tiny preset's 2 steps
     assert client.images.generate(prompt="a cat", size="64x64", background="auto", moderation="auto",
-                                  quality="auto", safety_identifier="s-1").quality == "auto"
+                                  quality="auto", safety_identifier="s-1").quality == "high"  # default_steps 8
     for param, fields in (("background", {"background": "transparent"}), ("style", {"style": "vivid"}),
                           ("quality", {"quality": "hd"})):
         with pytest.raises(openai.BadRequestError) as info:
@@ -165,7 +176,9 @@ def test_openai_client_streams_partial_images_then_the_image(served):
     client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
     fields = {"prompt": "a red cat", "size": "64x64", "extra_body": {"seed": 9, "num_inference_steps": 4}}
     events = list(client.images.generate(**fields, stream=True, partial_images=2))
-    kinds = [(e.type, getattr(e, "partial_image_index", None)) for e in events if not e.type.endswith("progress")]
+    for event in events:
+        conforms("ImageGenStreamEvent", event.to_dict())
+    kinds = [(e.type, getattr(e, "partial_image_index", None)) for e in events]
     assert kinds == [("image_generation.partial_image", 0), ("image_generation.partial_image", 1),
                      ("image_generation.completed", None)]
     previews = [png(e.b64_json) for e in events if e.type == "image_generation.partial_image"]
@@ -487,10 +500,12 @@ def stream_events(served, body, headers=None) -> list[dict]:
 def test_streaming_sends_one_progress_event_per_step_then_the_same_image(served):
     body = {"prompt": "a lighthouse", "size": "64x64", "seed": 5, "num_inference_steps": 4,
             "negative_prompt": "blurry"}
-    events = stream_events(served, body)
+    assert [e["type"] for e in stream_events(served, body)] == ["image_generation.completed"]  # OpenAI's events only
+    events = stream_events(served, {**body, "progress": True})
     assert [e["type"] for e in events] == ["image_generation.progress"] * 4 + ["image_generation.completed"]
     assert [(e["index"], e["step"], e["total_steps"]) for e in events[:4]] == [(0, s, 4) for s in range(1, 5)]
     status, plain = post(served["base"] + "/v1/images/generations", {**body, "timings": True})
+    conforms("ImagesResponse", plain)
     assert status == 200
     assert events[-1]["b64_json"] == plain["data"][0]["b64_json"]  # byte-identical PNG
     assert set(plain["data"][0]["timings_ms"]) == {"encoder", "dit", "vae"}
@@ -498,13 +513,15 @@ def test_streaming_sends_one_progress_event_per_step_then_the_same_image(served)
     assert all(ms > 0 for ms in plain["data"][0]["timings_ms"].values())
     timings, queued = plain["data"][0]["timings_ms"], plain["data"][0]["queued_ms"]
     assert set(queued) == set(timings) and all(0 <= queued[stage] < timings[stage] for stage in timings)
-    assert events[-1]["size"] == "64x64" and events[-1]["output_format"] == "png"
+    assert events[-1]["size"] == "auto" and events[-1]["output_format"] == "png"  # 64x64 is not one of OpenAI's
+    conforms("ImageGenStreamEvent", events[-1])
 
 
 def test_streaming_n_images_and_the_clients_progress_bar(served, capsys):
     from omni_ray.api.client import Client
 
-    events = stream_events(served, {"prompt": "a cup", "size": "64x64", "seed": 9, "num_inference_steps": 3, "n": 2})
+    events = stream_events(served, {"prompt": "a cup", "size": "64x64", "seed": 9, "num_inference_steps": 3, "n": 2,
+                                    "progress": True})
     for index in (0, 1):
         mine = [e for e in events if e["index"] == index]
         assert [e.get("step") for e in mine] == [1, 2, 3, None] and mine[-1]["type"] == "image_generation.completed"

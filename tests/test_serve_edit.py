@@ -11,6 +11,7 @@ from conftest import REPO
 
 from omni_ray.config import load_config
 from testing.local_serve import LocalServe
+from testing.openai_api import conforms
 from testing.reference import load_reference, reference_edit, source_image
 from testing.serving import assert_stops_within_10_s_leaving_no_vllm_file, png, stage_stats, within_one_level
 
@@ -76,7 +77,9 @@ def test_openai_client_edits_an_image(served, reference, image_area):
         prompt="make the disc blue", n=2, response_format="b64_json",
         extra_body={"seed": 21, "num_inference_steps": 3, "negative_prompt": "blurry"},
     )
-    assert result.size == "160x96" and len(result.data) == 2  # the input's working size: 128x128 pixels at 9:5
+    assert len(result.data) == 2 and result.size is None  # 160x96 is not among the sizes OpenAI's schema allows
+    assert png(result.data[0].b64_json).shape == (96, 160, 3)  # the input's working size: 128x128 pixels at 9:5
+    conforms("ImagesResponse", result.to_dict())
     for i, item in enumerate(result.data):
         expected = reference_edit(reference, image_area, source, seed=21 + i, prompt="make the disc blue",
                                   negative_prompt="blurry", true_cfg_scale=4.0, num_inference_steps=3)
@@ -95,12 +98,13 @@ def test_edit_streams_progress_then_the_image_and_the_python_client_edits(served
     from omni_ray.api.client import Client
 
     source = source_image(120, 240, seed=5)
-    fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "3", "stream": "true"}
+    fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "3", "stream": "true", "progress": "true"}
     with post_edit(served, fields, [("image", ("in.png", file_bytes(source), "image/png"))], stream=True) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[len(b"data: "):]) for line in response.iter_lines() if line.startswith(b"data: ")]
     assert [event["type"] for event in events] == ["image_edit.progress"] * 3 + ["image_edit.completed"]
     assert [event["step"] for event in events[:3]] == [1, 2, 3]
+    conforms("ImageEditStreamEvent", events[-1])
     expected = reference_edit(reference, image_area, source, seed=3, prompt="make it red", num_inference_steps=3)
     streamed = png(events[-1]["b64_json"])
     assert within_one_level(streamed, expected)

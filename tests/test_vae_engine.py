@@ -39,8 +39,9 @@ def test_batched_decode_matches_one_at_a_time(decoder):
             continue
         alone = decoder.decode([item])[0]
         assert result.pixels.dtype == np.uint8 and result.pixels.shape == (item.height, item.width, 3)
-        # A batch of three runs other conv kernels' blocking than a batch of one: rounding, at most one level.
-        assert np.abs(result.pixels.astype(int) - alone.astype(int)).max() <= 1
+        # An image's pixels depend on its latents alone, not on what shared its VAE call (a batch of one is
+        # decoded as two on the CPU, where PyTorch's batch-of-one convolutions sum differently).
+        assert np.array_equal(result.pixels, alone)
     assert np.abs(results["d0"].pixels.astype(int) - results["d1"].pixels.astype(int)).max() > 10
 
 
@@ -58,8 +59,7 @@ def test_a_bad_latent_in_a_batched_decode_fails_alone(decoder):
     results = {o.request_id: o.pooling_output for o in outputs if o.finish_reason == "stop"}
     assert sorted(results) == ["g0", "g1", "queued"]
     for request_id, item in (("g0", good[0]), ("g1", good[1])):
-        alone = decoder.decode([item])[0]
-        assert np.abs(results[request_id].pixels.astype(int) - alone.astype(int)).max() <= 1
+        assert np.array_equal(results[request_id].pixels, decoder.decode([item])[0])
 
 
 def test_out_of_memory_for_one_request_is_a_503_for_it_alone(decoder, monkeypatch):

@@ -3,6 +3,7 @@
     from omni_ray.api.client import Client
 
     images = Client.http("http://127.0.0.1:8000").generate("a red cat", size="256x256", seed=0)
+    images = Client.http(api_key="...").generate("a red cat")    # a server with OMNI_RAY_API_KEY set
     images = Client.ray(address="auto").generate("a red cat", n=4)   # after the app is deployed
     images = Client.http().edit("cat.png", "make the cat blue")      # an app serving an edit preset
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import pathlib
 import urllib.error
 import urllib.request
@@ -48,9 +50,13 @@ class Client:
         self._stream = stream  # (body dict, image or None) -> iterator of event dicts
 
     @classmethod
-    def http(cls, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 600.0) -> Client:
-        """A client of the app's HTTP API."""
+    def http(cls, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 600.0, api_key: str | None = None
+             ) -> Client:
+        """A client of the app's HTTP API; ``api_key`` (by default ``OMNI_RAY_API_KEY``'s first key, if set) for a
+        server that needs one."""
         base_url = base_url.rstrip("/")
+        api_key = api_key or os.environ.get("OMNI_RAY_API_KEY", "").split(",")[0].strip() or None
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
         def post(body: dict, image: bytes | None):
             if image is None:
@@ -59,7 +65,7 @@ class Client:
             else:
                 url = base_url + "/v1/images/edits"
                 data, content_type = _multipart(body, image)
-            request = urllib.request.Request(url, data=data, headers={"Content-Type": content_type})
+            request = urllib.request.Request(url, data=data, headers={"Content-Type": content_type, **auth})
             try:
                 return urllib.request.urlopen(request, timeout=timeout_s)
             except urllib.error.HTTPError as err:
@@ -70,7 +76,7 @@ class Client:
                 return json.loads(response.read())
 
         def stream(body: dict, image: bytes | None) -> Iterator[dict]:
-            with post({**body, "stream": True}, image) as response:
+            with post({**body, "stream": True, "progress": True}, image) as response:
                 for line in response:
                     if line.startswith(b"data: "):
                         yield json.loads(line[len(b"data: "):])
@@ -96,7 +102,7 @@ class Client:
 
         def stream(body: dict, image: bytes | None) -> Iterator[dict]:
             try:
-                yield from handle.options(stream=True).generate_stream.remote(body, image=image)
+                yield from handle.options(stream=True).generate_stream.remote({**body, "progress": True}, image=image)
             except RayTaskError as err:
                 raise err.cause from None
 

@@ -15,7 +15,7 @@ from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, PipelineConfig
 from omni_ray.errors import NotFoundError, RequestError
 from omni_ray.qwen_image import check_side, uses_true_cfg
-from omni_ray.records import LoraRef
+from omni_ray.records import LoraRef, TokenCount
 
 if TYPE_CHECKING:
     import numpy as np
@@ -32,8 +32,9 @@ class GenerationPlan:
     seed: int  # image i uses seed + i
     cache: CacheSettings | None = None  # the request's, or the preset's default
     lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
-    quality: str = "auto"  # OpenAI's quality level the steps came from ("auto": steps given or the default)
+    quality: str = "high"  # OpenAI's quality level the steps are nearest to: what responses name as used
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
+    input_tokens: TokenCount = TokenCount(0)  # what the encoder reads: the prompt, and the negative with true CFG
 
     @property
     def true_cfg(self) -> bool:
@@ -57,24 +58,31 @@ def plan_request(
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
 
     An edit brings its ``image`` (``load_input_image``'s); its working size is the default output size.
-    ``count_tokens(text, image_size)`` gives a prompt's templated length (the image's tokens included), checked
-    against the encoder's limit. ``adapters`` (name -> file) are the LoRA adapters ``model`` may name. ``has_image``
+    ``count_tokens(text, image_size)`` gives a prompt's templated length (a ``TokenCount``: its text's tokens and
+    the image's), checked against the encoder's limit and counted in the response's ``usage``. ``adapters`` (name -> file) are the LoRA adapters ``model`` may name. ``has_image``
     says the request brought an image when ``image`` was not decoded (the preset does not edit).
     """
     check_route(config, has_image=image is not None if has_image is None else has_image)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
     lora = resolve_model(request, config, adapters or {})
     height, width = resolve_size(request, config, image.shape[:2] if image is not None else None)
+    input_tokens = TokenCount(0)
+    true_cfg = uses_true_cfg(request.true_cfg_scale, request.negative_prompt is not None)
     if count_tokens is not None:
         image_size = image.shape[:2] if image is not None else None
         for field in ("prompt", "negative_prompt"):
             text = getattr(request, field)
-            if text is not None and (tokens := count_tokens(text, image_size)) > config.encoder.max_model_len:
+            if text is None:
+                continue
+            tokens = count_tokens(text, image_size)
+            if tokens.total > config.encoder.max_model_len:
                 raise RequestError(
-                    f"{field}: {tokens} tokens with the prompt template; the limit is "
+                    f"{field}: {tokens.total} tokens with the prompt template; the limit is "
                     f"{config.encoder.max_model_len}",
                     param=field,
                 )
+            if field == "prompt" or true_cfg:  # without true CFG the negative prompt is never encoded
+                input_tokens += tokens
     if request.background == "transparent":
         raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque", param="background")
     if request.style is not None:
@@ -82,16 +90,19 @@ def plan_request(
                            "prompt", param="style")
     if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
         raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
+    steps = request.num_inference_steps or quality_steps(request.quality, config)
     return GenerationPlan(
         request=request,
         height=height,
         width=width,
-        num_inference_steps=request.num_inference_steps or quality_steps(request.quality, config),
+        num_inference_steps=steps,
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
         cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
         lora=lora,
-        quality=request.quality if request.num_inference_steps is None else "auto",
+        quality=request.quality if request.quality != "auto" and request.num_inference_steps is None
+        else quality_level(steps, config),
         image=image,
+        input_tokens=input_tokens,
     )
 
 
@@ -100,6 +111,14 @@ def quality_steps(quality: str, config: PipelineConfig) -> int:
     if quality == "auto":
         return config.requests.default_steps
     return getattr(config.requests.quality_steps, quality)
+
+
+def quality_level(steps: int, config: PipelineConfig) -> str:
+    """The OpenAI quality level whose steps (the preset's ``requests.quality_steps``) are nearest ``steps``, the
+    higher on a tie: what a response names as the quality used, which OpenAI's schema requires be low, medium or
+    high."""
+    levels = config.requests.quality_steps
+    return min(("high", "medium", "low"), key=lambda level: abs(getattr(levels, level) - steps))
 
 
 def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, str]

@@ -1,5 +1,12 @@
 """What the API sends back: OpenAI's images response, its streamed events, and its error body, with images as
 base64 written so that an event loop is never held for long.
+
+Each body validates against OpenAI's published OpenAPI definition (``tests/openai_images_schemas.json`` names the
+version), so the official client parses it into its typed models: where that definition allows fewer values than
+Qwen-Image has, a field says what the definition can (``size``), and our own fields come beside OpenAI's, never
+instead of them. ``usage`` counts tokens as Qwen-Image has them: the input tokens are those the text encoder reads
+(the templated prompt, the negative prompt's when true CFG runs, an edit image's vision tokens in each), the output
+tokens each image's tokens in the transformer (one per 16x16 pixels).
 """
 
 from __future__ import annotations
@@ -10,6 +17,10 @@ import time
 
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.errors import OmniRayError
+from omni_ray.qwen_image import image_tokens
+
+# The only sizes OpenAI's schema allows in a response (and, besides "auto", in a stream event).
+OPENAI_SIZES = frozenset({"1024x1024", "1024x1536", "1536x1024"})
 
 # Megabytes of base64 are built on worker threads, but base64 and json.dumps hold the GIL through a whole call, in
 # which the event loop cannot run. Encoding in chunks and splicing the strings into the JSON (base64 needs no
@@ -49,19 +60,22 @@ def json_bytes(body: dict) -> bytes:
 
 
 def progress_event(plan: GenerationPlan, index: int, step: int, total_steps: int) -> dict:
-    """A streamed event after one denoising step of image ``index``."""
+    """A streamed event after one denoising step of image ``index``: omni-ray's own, sent only to callers that ask
+    (``progress: true``), since OpenAI's client reads an event type it does not know as an empty partial image."""
     return {"type": f"{plan.event_prefix}.progress", "index": index, "step": step, "total_steps": total_steps}
 
 
 def completed_event(plan: GenerationPlan, index: int, data: bytes, stats: dict | None = None) -> dict:
     """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed`` (and
-    ``image_edit.completed`` for edits); with ``stats`` (``image_stats``'), the image's times and DiT passes."""
+    ``image_edit.completed`` for edits); with ``stats`` (``image_stats``'), the image's times and DiT passes. Its
+    ``usage`` counts the request's input and this image's output."""
     event = {
         "type": f"{plan.event_prefix}.completed",
         "index": index,
         "b64_json": b64encode(data),
         "created_at": int(time.time()),
-        **output_fields(plan),
+        **output_fields(plan, event=True),
+        "usage": usage(plan, images=1),
     }
     return {**event, **(stats or {})}
 
@@ -75,7 +89,7 @@ def partial_image_event(plan: GenerationPlan, index: int, partial_index: int, da
         "partial_image_index": partial_index,
         "b64_json": b64encode(data),
         "created_at": int(time.time()),
-        **output_fields(plan),
+        **output_fields(plan, event=True),
     }
 
 
@@ -98,13 +112,26 @@ def images_response(files: list[bytes], plan: GenerationPlan, stats: list[dict] 
     if plan.request.timings and stats is not None:
         for item, image in zip(data, stats):
             item.update(image)
-    return {"created": int(time.time()), "data": data, **output_fields(plan)}
+    return {"created": int(time.time()), "data": data, **output_fields(plan), "usage": usage(plan, plan.request.n)}
 
 
-def output_fields(plan: GenerationPlan) -> dict:
-    """What OpenAI's responses and completed events say of the images besides the images themselves."""
-    return {"size": f"{plan.width}x{plan.height}", "quality": plan.quality, "background": "opaque",
-            "output_format": plan.request.output_format}
+def output_fields(plan: GenerationPlan, event: bool = False) -> dict:
+    """What OpenAI's responses and events say of the images besides the images themselves. ``size`` is one of
+    OpenAI's three sizes or absent from a response (where it is optional), "auto" in an event (where it is
+    required): the image itself has its size."""
+    size = f"{plan.width}x{plan.height}"
+    fields = {"quality": plan.quality, "background": "opaque", "output_format": plan.request.output_format}
+    if size in OPENAI_SIZES or event:
+        fields["size"] = size if size in OPENAI_SIZES else "auto"
+    return fields
+
+
+def usage(plan: GenerationPlan, images: int) -> dict:
+    """OpenAI's token usage of the request's input and ``images`` of its images (see the module's docstring)."""
+    text, image = plan.input_tokens
+    output = images * image_tokens(plan.height, plan.width)
+    return {"input_tokens": text + image, "input_tokens_details": {"text_tokens": text, "image_tokens": image},
+            "output_tokens": output, "total_tokens": text + image + output}
 
 
 def error_body(err: OmniRayError) -> dict:

@@ -41,7 +41,11 @@ class ImageGenerationRequest(BaseModel):
         4.0, ge=1.0, le=20.0, description="True CFG scale; CFG runs when > 1 with a negative prompt."
     )
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the first image; random when omitted.")
-    stream: bool = Field(False, description="Answer with server-sent events: progress per step, then each image.")
+    stream: bool = Field(False, description="Answer with server-sent events: OpenAI's partial_image and completed "
+                         "events, and an error event if the request fails.")
+    progress: bool = Field(False, description="omni-ray's: while streaming, also an `image_generation.progress` (or "
+                           "`image_edit.progress`) event after every denoising step of each image, which OpenAI's "
+                           "API does not define (its client reads one as an empty partial image).")
     timings: bool = Field(
         False, description="Add each image's time in every stage (ms, queueing included), the part of it queued, and "
         "its DiT passes computed and reused."

@@ -1,4 +1,8 @@
-"""Batching for the VAE: each step decodes up to ``max_batch_size`` same-size latents, oldest request first."""
+"""Batching for the VAE: each step decodes up to ``max_batch_size`` same-size latents, oldest request first, and
+streamed previews only when no final image or input image waits.
+
+A preview never shares a VAE call with a final image: a batch's makeup changes its float sums, so a preview in the
+batch could change the final image by a level (and a user waits on the image, not on its preview)."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from collections import deque
 
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
-from omni_ray.records import DecodeBatch, DecodeOutput, VAERequest
+from omni_ray.records import DecodeBatch, DecodeOutput, DecodeRequest, VAERequest
 
 
 class VAEScheduler(Scheduler[VAERequest, DecodeBatch, DecodeOutput]):
@@ -24,8 +28,10 @@ class VAEScheduler(Scheduler[VAERequest, DecodeBatch, DecodeOutput]):
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
 
     def schedule(self) -> DecodeBatch:
-        """The oldest request's size decides the batch; later requests of that size join it, in order."""
-        key = self.waiting[0].batch_key
+        """The oldest request's kind and size decide the batch (the oldest that is not a preview, when there is
+        one); later requests of that kind and size join it, in order."""
+        first = next((r for r in self.waiting if not (isinstance(r, DecodeRequest) and r.preview)), self.waiting[0])
+        key = first.batch_key
         batch, kept = [], deque()
         for request in self.waiting:
             (batch if request.batch_key == key and len(batch) < self.max_batch_size else kept).append(request)

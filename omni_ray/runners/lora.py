@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
+import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,8 @@ from torch import nn
 
 from omni_ray.errors import RequestError
 from omni_ray.records import LoraKey, LoraRef
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,18 +38,55 @@ class LoraLayer:
     scaling: float  # alpha / rank (alpha / sqrt(rank) with rsLoRA), as peft scales it
 
 
+def confine(path: str, roots: Sequence[str]) -> str:
+    """``path`` resolved (``~``, '..' and every symlink followed, without opening it) when that lies under one of
+    ``roots``, taken under the first when relative; RequestError naming ``lora_path`` (and not the path) otherwise."""
+    if not roots:
+        raise RequestError("lora_path: this server reads no adapter files at run time (lora.roots is empty)",
+                           param="lora_path")
+    resolved = os.path.realpath(os.path.join(os.path.expanduser(roots[0]), os.path.expanduser(path)))
+    for root in roots:
+        root = os.path.realpath(os.path.expanduser(root))
+        if os.path.commonpath([resolved, root]) == root:
+            return resolved
+    logger.warning("run-time adapter refused: %s resolves to %s, outside lora.roots", path, resolved)
+    raise RequestError("lora_path: outside the folders this server reads adapters from (lora.roots)",
+                       param="lora_path")
+
+
+class AdapterFiles:
+    """The adapter files a DiT reads: the preset's as they are, any other only under ``roots`` (``lora.roots``),
+    checked again at each read, so that a folder swapped for a symlink after its adapter was loaded is refused."""
+
+    def __init__(self, preset: Collection[str] = (), roots: Sequence[str] = ()):
+        self.preset, self.roots = frozenset(preset), tuple(roots)
+
+    def check(self, path: str, shapes: Mapping[str, tuple[int, int]]) -> str:
+        """The resolved path of a run-time adapter the transformer (``shapes``) can take; RequestError naming
+        ``lora_path`` otherwise, without reading a file outside ``roots``."""
+        resolved = confine(path, self.roots)
+        read_lora(resolved, shapes)
+        return resolved
+
+    def read(self, path: str, shapes: Mapping[str, tuple[int, int]]) -> dict[str, LoraLayer]:
+        """``read_lora``, for ``LoraResidency``."""
+        return read_lora(path if path in self.preset else confine(path, self.roots), shapes)
+
+
 def read_lora(path: str, shapes: Mapping[str, tuple[int, int]]) -> dict[str, LoraLayer]:
     """An adapter file (or a folder holding ``pytorch_lora_weights.safetensors``) on the CPU, by module name, checked
-    against the transformer's Linear layers (``shapes``: module -> (in, out)); RequestError naming ``lora_path``."""
+    against the transformer's Linear layers (``shapes``: module -> (in, out)); RequestError naming ``lora_path``,
+    whose message never holds the path (what went wrong with the file is logged)."""
     from diffusers import QwenImagePipeline
 
     def refuse(why: str) -> RequestError:
-        return RequestError(f"lora_path: {path!r} {why}", param="lora_path")
+        return RequestError(f"lora_path: the adapter {why}", param="lora_path")
 
     try:
         state, metadata = QwenImagePipeline.lora_state_dict(path, return_lora_metadata=True)
     except Exception as err:
-        raise refuse(f"is not a LoRA file diffusers can read: {err}") from None
+        logger.warning("adapter %s not read: %s", path, err)
+        raise refuse("is not a LoRA file diffusers can read (or there is no such file)") from None
     config = {k.removeprefix("transformer."): v for k, v in (metadata or {}).items() if k.startswith("transformer.")}
     if config.get("use_dora"):
         raise refuse("is a DoRA adapter; only LoRA is supported")

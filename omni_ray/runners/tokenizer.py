@@ -9,7 +9,7 @@ import torch
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from omni_ray.qwen_image import TEXT_TO_IMAGE, TOKENIZER_MAX_LENGTH, PromptTemplate
-from omni_ray.records import PromptEmbeds
+from omni_ray.records import PromptEmbeds, TokenCount
 
 
 class PromptTokenizer:
@@ -33,12 +33,13 @@ class PromptTokenizer:
         patches = self.image_processor.get_number_of_image_patches(height, width)
         return patches // self.image_processor.merge_size**2
 
-    def num_tokens(self, prompt: str, image_size: tuple[int, int] | None = None) -> int:
-        """Tokens of the templated prompt, untruncated; ``image_size`` (height, width) counts the image's too."""
+    def num_tokens(self, prompt: str, image_size: tuple[int, int] | None = None) -> TokenCount:
+        """Tokens of the templated prompt, untruncated: its text's, and with ``image_size`` (height, width) the edit
+        image's (which replace the template's one image placeholder)."""
         count = len(self.tokenizer(self.template.text.format(prompt)).input_ids)
-        if self.template.has_image:
-            count += self.image_tokens(*image_size) - 1
-        return count
+        if not self.template.has_image:
+            return TokenCount(count)
+        return TokenCount(count - 1, self.image_tokens(*image_size))
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of the templated prompt, truncated as diffusers truncates."""

@@ -16,7 +16,9 @@ from ray.serve.handle import DeploymentHandle
 from omni_ray.config import PipelineConfig
 from omni_ray.errors import OmniRayError
 from omni_ray.runners.tokenizer import PromptTokenizer
-from omni_ray.serve import metrics
+from omni_ray.serve import metrics, ray_private
+from omni_ray.serve.adapters import Adapter, AdapterStore
+from omni_ray.serve.api_keys import ApiKeys
 from omni_ray.serve.ingress import Coordinator, Observer, build_api
 from omni_ray.serve.process import freeze_startup_heap, watch_event_loop
 from omni_ray.serve.serve_stages import ServeStages
@@ -33,14 +35,39 @@ class _Metrics(Observer):
         metrics.images_generated.inc(images, tags=COORDINATOR)
 
 
+class ClusterAdapters(AdapterStore):
+    """The app's run-time adapters in the GCS's key-value store, which every replica reads and which outlives them
+    (as long as the cluster lives; with GCS fault tolerance, its restarts too)."""
+
+    NAMESPACE = "omni_ray_adapters"
+
+    def __init__(self, app_name: str):
+        self.prefix = f"{app_name}/"
+
+    async def get(self, name: str) -> Adapter | None:
+        data = await ray_private.kv_get(self.prefix + name, self.NAMESPACE)
+        return Adapter.from_json(data) if data is not None else None
+
+    async def all(self) -> dict[str, Adapter]:
+        items = await ray_private.kv_items(self.prefix, self.NAMESPACE)
+        return {key.removeprefix(self.prefix): Adapter.from_json(value) for key, value in items.items()}
+
+    async def add(self, name: str, adapter: Adapter) -> bool:
+        return await ray_private.kv_add(self.prefix + name, adapter.to_json(), self.NAMESPACE)
+
+    async def remove(self, name: str) -> bool:
+        return await ray_private.kv_delete(self.prefix + name, self.NAMESPACE)
+
+
 class ServeCoordinator(Coordinator):
-    """The coordinator as a Serve replica: over the stage deployments' handles, counting into Prometheus, watching
-    its own event loop."""
+    """The coordinator as a Serve replica: over the stage deployments' handles, with the app's adapters in the
+    cluster's key-value store and the API keys of its process's ``OMNI_RAY_API_KEY``, counting into Prometheus,
+    watching its own event loop."""
 
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
         tokenizer = PromptTokenizer(config.model, config.prompt_template)
         super().__init__(ServeStages(encoder, dit, vae), config, tokenizer.num_tokens, _deployments_without_replicas,
-                         _Metrics())
+                         _Metrics(), ClusterAdapters(serve.get_replica_context().app_name), ApiKeys.from_env())
         # Serve runs the constructor on the event loop that serves the requests: the one to watch.
         self.watch = asyncio.get_running_loop().create_task(_watch_event_loop())
         freeze_startup_heap()

@@ -36,7 +36,7 @@ from omni_ray.records import (
     StepDone,
 )
 from omni_ray.request_path import write_step_stream
-from omni_ray.runners.lora import read_lora
+from omni_ray.runners.lora import AdapterFiles
 from omni_ray.serve import metrics
 from omni_ray.serve.process import freeze_startup_heap
 from omni_ray.serve.serve_stages import Upstream
@@ -144,8 +144,9 @@ class DiT(_EngineShim):
 
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_dit_core(config))
+        self.files = AdapterFiles(config.loras.values(), config.lora.roots)
         self.loras = LoraResidency(
-            self.engine, config.dit.max_loras, read_lora,
+            self.engine, config.dit.max_loras, self.files.read,
             on_load=lambda name: metrics.lora_loads.inc(tags={**self.tags, "adapter": name}),
         )
 
@@ -156,9 +157,10 @@ class DiT(_EngineShim):
         # asked for (as many as it holds), so requests for an adapter go preferably where it is resident.
         self._route = serve.multiplexed(max_num_models_per_replica=config.dit.max_loras)(route)
 
-    async def check_lora(self, path: str) -> None:
-        """Raises RequestError (naming ``lora_path``) unless ``path`` is an adapter this transformer can take."""
-        await asyncio.to_thread(read_lora, path, self.loras.shapes)
+    async def check_lora(self, path: str) -> str:
+        """The resolved path of a run-time adapter under ``lora.roots`` that this transformer can take; RequestError
+        naming ``lora_path`` otherwise."""
+        return await asyncio.to_thread(self.files.check, path, self.loras.shapes)
 
     async def denoise(
         self, request_id: str, params: DenoiseParams, prompt: Upstream, image: Upstream | None = None
@@ -199,9 +201,10 @@ class VAE(_EngineShim):
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_vae_core(config))
 
-    async def decode(self, request_id: str, latents: Upstream, output: OutputMode = "pixels") -> Decoded:
+    async def decode(self, request_id: str, latents: Upstream, output: OutputMode = "pixels", preview: bool = False
+                     ) -> Decoded:
         resolved: Latents = await latents.resolve()
-        return await self._run(DecodeRequest(request_id, resolved, output), "decoded", resolved.timings)
+        return await self._run(DecodeRequest(request_id, resolved, output, preview), "decoded", resolved.timings)
 
     async def encode(self, request_id: str, image: np.ndarray) -> Latents:
         """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with."""

@@ -5,9 +5,11 @@ stream that ``omni_ray.request_path.run_request`` makes of it: a JSON response d
 it, handle callers get either. Image files are written, base64-encoded and serialised on threads, never on the event
 loop.
 
-The class knows no Ray: it takes any ``Stages`` (the Serve deployments' in the app, a fake one in tests), and its
-routes are attached when the app is built (``build_api``, after Ray Serve LLM's ``make_fastapi_ingress``), so the
-same routes run under Serve and under starlette's ``TestClient``.
+The class knows no Ray: it takes any ``Stages`` (the Serve deployments' in the app, a fake one in tests) and any
+``AdapterStore``, and its routes are attached when the app is built (``build_api``, after Ray Serve LLM's
+``make_fastapi_ingress``), so the same routes run under Serve and under starlette's ``TestClient``.
+
+Every ``/v1/...`` route first checks the API key (``api_keys``); ``/``, ``/web/...`` and ``/health`` are open.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from omni_ray.api.responses import (
 )
 from omni_ray.api.schema import ImageGenerationRequest, parse_request
 from omni_ray.config import PipelineConfig
-from omni_ray.errors import NotFoundError, OmniRayError, RequestError
-from omni_ray.records import Decoded, OutputMode
+from omni_ray.errors import ForbiddenError, NotFoundError, OmniRayError, RequestError
+from omni_ray.records import Decoded, OutputMode, TokenCount
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
 from omni_ray.serve import http
+from omni_ray.serve.adapters import Adapter, AdapterStore, MemoryAdapters
+from omni_ray.serve.api_keys import ApiKeys
 from omni_ray.serve.page import WEB_FILES, page_html
 
 logger = logging.getLogger("ray.serve")
@@ -57,37 +61,49 @@ class Observer:
 class Coordinator:
     """Plans requests and views their event streams: JSON, server-sent events, or records for handle callers.
 
-    ``count_tokens(text, image_size)`` gives a prompt's templated length, checked against the encoder's limit (None
-    skips the check); ``unready()`` names the deployments without a running replica, for ``/health``.
+    ``count_tokens(text, image_size)`` gives a prompt's templated length (a ``TokenCount``), checked against the
+    encoder's limit and counted in ``usage``; ``unready()`` names the deployments without a running replica, for
+    ``/health``. ``adapters`` holds the LoRA adapters loaded at run time (the preset's come from ``config``), and
+    ``api_keys`` the keys ``/v1/...`` routes take (none: the server is open).
     """
 
     def __init__(
         self,
         stages: Stages,
         config: PipelineConfig,
-        count_tokens: Callable[..., int] | None = None,
+        count_tokens: Callable[..., TokenCount],
         unready: Callable[[], list[str]] = list,
         observer: Observer | None = None,
+        adapters: AdapterStore | None = None,
+        api_keys: ApiKeys | None = None,
     ):
         self.stages = stages
         self.config = config
         self.count_tokens = count_tokens
         self.unready = unready
         self.observer = observer or Observer()
-        self.adapters = dict(config.loras)  # LoRA adapter name -> file: the preset's, then those loaded at run time
-        self.page_html = page_html(config)
+        self.adapters = adapters or MemoryAdapters()
+        self.api_keys = api_keys or ApiKeys()
+        self.started = int(time.time())  # /v1/models' `created` of the base model and the preset's adapters
+        self.page_html = page_html(config, api_key=self.api_keys.required)
         self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
+        if self.api_keys.required:
+            logger.info("API keys are on: /v1/... routes take `Authorization: Bearer <key>`")
+        else:
+            logger.warning("OMNI_RAY_API_KEY is not set: anyone who reaches this port can use every route")
 
     # --- routes (attached by build_api) --------------------------------------------------------------------------
 
     async def generations(self, request: Request) -> Response:
         with self._counting_errors():
+            self.authorize(request)
             check_route(self.config, has_image=False)  # before the body: a wrong route is told which is right
             body = await http.json_body(request)
         return await self.respond(await self.plan(body), request)
 
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
+            self.authorize(request)
             check_route(self.config, has_image=True)  # before reading an upload the preset cannot use
             fields, image = await http.edit_form(request, http.MAX_BODY_BYTES + self.config.edit.max_image_bytes)
             body = parse_request(fields, form=True)
@@ -103,35 +119,50 @@ class Coordinator:
         kind, data = WEB_FILES[name]
         return Response(data, media_type=kind, headers={"Cache-Control": "no-cache"})
 
-    async def models(self) -> dict:
-        """The base model, then each LoRA adapter (``parent``: the base it adapts), as vLLM lists them."""
-        base = {"id": self.config.name, "object": "model", "owned_by": "omni-ray"}
-        adapters = [{"id": name, "object": "model", "owned_by": "omni-ray", "parent": self.config.name, "root": path}
-                    for name, path in self.adapters.items()]
-        return {"object": "list", "data": [base, *adapters]}
+    async def models(self, request: Request) -> dict:
+        """OpenAI's model list: the base model, then each LoRA adapter (``parent``: the base it adapts, as vLLM
+        lists them)."""
+        self.authorize(request)
+        base = {"id": self.config.name, "object": "model", "created": self.started, "owned_by": "omni-ray"}
+        adapters = {name: self.started for name in self.config.loras}
+        adapters.update({name: adapter.created for name, adapter in sorted((await self.adapters.all()).items())})
+        return {"object": "list", "data": [base, *({"id": name, "object": "model", "created": created,
+                                                    "owned_by": "omni-ray", "parent": self.config.name}
+                                                   for name, created in adapters.items())]}
 
     async def load_lora_adapter(self, request: Request) -> JSONResponse:
-        """Adds an adapter at run time (``{"lora_name", "lora_path"}``), once a DiT replica has read the file and
-        found it fits the transformer; a broken file is a 400 naming ``lora_path`` and changes nothing."""
+        """Adds an adapter at run time (``{"lora_name", "lora_path"}``) where the preset allows it
+        (``lora.allow_runtime_updates``), once a DiT replica has found the file under ``lora.roots`` and fitting the
+        transformer; a path outside the roots or a broken file is a 400 naming ``lora_path`` and changes nothing.
+        Every coordinator replica serves it once this returns."""
         with self._counting_errors():
+            self.authorize(request)
+            self._check_runtime_updates()
             body = await http.json_object(request, ("lora_name", "lora_path"))
             name, path = body["lora_name"], body["lora_path"]
             if not ADAPTER_NAME.fullmatch(name) or name == self.config.name:
                 raise RequestError(f"lora_name: {name!r} must be letters, digits, '_', '.', ':' or '-', and not the "
                                    "base model's name", param="lora_name")
-            if name in self.adapters:
-                raise RequestError(f"lora_name: {name!r} is already loaded; unload it first", param="lora_name")
-            await self.stages.check_lora(path)
-            self.adapters[name] = path
-            logger.info("LoRA adapter %r added from %s", name, path)
-        return JSONResponse({"lora_name": name, "lora_path": path, "status": "loaded"})
+            taken = RequestError(f"lora_name: {name!r} is already loaded; unload it first", param="lora_name")
+            if name in self.config.loras or await self.adapters.get(name) is not None:
+                raise taken
+            resolved = await self.stages.check_lora(path)
+            if not await self.adapters.add(name, Adapter(resolved, int(time.time()))):
+                raise taken  # another load of the name won meanwhile
+            logger.info("LoRA adapter %r added from %s", name, resolved)
+        return JSONResponse({"lora_name": name, "status": "loaded"})
 
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:
-        """Removes an adapter (``{"lora_name"}``): requests naming it get a 404 from now on; each DiT replica frees
-        its slot when it needs the room."""
+        """Removes a run-time adapter (``{"lora_name"}``): requests naming it get a 404 from now on, on every
+        coordinator replica; each DiT replica frees its slot when it needs the room."""
         with self._counting_errors():
+            self.authorize(request)
+            self._check_runtime_updates()
             name = (await http.json_object(request, ("lora_name",)))["lora_name"]
-            if self.adapters.pop(name, None) is None:
+            if name in self.config.loras:
+                raise RequestError(f"lora_name: {name!r} comes from the preset (loras); remove it there",
+                                   param="lora_name")
+            if not await self.adapters.remove(name):
                 raise NotFoundError(f"lora_name: no adapter {name!r} is loaded", param="lora_name")
             logger.info("LoRA adapter %r removed", name)
         return JSONResponse({"lora_name": name, "status": "unloaded"})
@@ -189,8 +220,29 @@ class Coordinator:
             if image is not None and self.config.edit is not None:
                 async with self.image_slots:
                     pixels = await asyncio.to_thread(load_input_image, image, self.config)
-            return plan_request(body, self.config, self.count_tokens, pixels, self.adapters,
+            return plan_request(body, self.config, self.count_tokens, pixels, await self._adapters_for(body),
                                 has_image=image is not None)
+
+    async def _adapters_for(self, body: dict | ImageGenerationRequest) -> dict[str, str]:
+        """The adapter the request's ``model`` names (name -> file), when it names one that exists; else every
+        adapter, for the 404 to list."""
+        name = body.get("model") if isinstance(body, dict) else body.model
+        if not isinstance(name, str) or name == self.config.name:
+            return {}
+        if name in self.config.loras:
+            return {name: self.config.loras[name]}
+        if (adapter := await self.adapters.get(name)) is not None:
+            return {name: adapter.path}
+        return {**self.config.loras, **{name: a.path for name, a in (await self.adapters.all()).items()}}
+
+    def authorize(self, request: Request) -> None:
+        """Raises AuthenticationError (401) unless the request carries one of the server's API keys."""
+        self.api_keys.check(request.headers.get("authorization"))
+
+    def _check_runtime_updates(self) -> None:
+        if not self.config.lora.allow_runtime_updates:
+            raise ForbiddenError("loading and unloading adapters at run time is off on this server (the preset's "
+                                 "lora.allow_runtime_updates)", param=None)
 
     async def events(self, plan: GenerationPlan, request_id: str, output: OutputMode = "pixels"
                      ) -> AsyncIterator[RequestEvent]:
@@ -214,11 +266,12 @@ class Coordinator:
         return await asyncio.to_thread(images_response, files, plan, stats)
 
     async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
-        """Progress after every denoising step of each image, its previews, each image as it is done, or one error
-        event."""
+        """Each image's previews and the image as it is done, or one error event; with ``progress``, progress after
+        every denoising step."""
         async for event in self.events(plan, request_id):
             if isinstance(event, Progress):
-                yield progress_event(plan, event.index, event.step, event.total)
+                if plan.request.progress:
+                    yield progress_event(plan, event.index, event.step, event.total)
             elif isinstance(event, ImagePreview):
                 data = await _image_file(event.result, plan.request)
                 yield await asyncio.to_thread(partial_image_event, plan, event.index, event.partial_index, data)

@@ -12,13 +12,15 @@ WEB_FILES = {name: (kind, (WEB / name).read_bytes())
              for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css"))}
 
 
-def page_html(config: PipelineConfig) -> str:
-    """index.html with what the page needs of the preset: its name, mode, default size and steps, and sizes to offer."""
+def page_html(config: PipelineConfig, api_key: bool = False) -> str:
+    """index.html with what the page needs of the preset: its name, mode, default size and steps, sizes to offer,
+    and whether the server takes an API key (the page then asks for it)."""
     limits = config.requests
     default = f"{limits.default_width}x{limits.default_height}"
     squares = [f"{side}x{side}" for side in (64, 128, 256, 512, 1024, 1328)
                if limits.min_side <= side <= limits.max_side]
     settings = {"model": config.name, "edit": config.edit is not None, "default_size": default,
-                "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares]))}
+                "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares])),
+                "api_key": api_key}
     # "</" cannot end the script element early: JSON allows "<\/" for "</".
     return (WEB / "index.html").read_text().replace("__SETTINGS__", json.dumps(settings).replace("</", "<\\/"))

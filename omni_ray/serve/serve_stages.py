@@ -76,10 +76,10 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         self.encoder, self.vae = encoder, vae
         self.dit_calls, self.dit = dit, dit.options(stream=True)
 
-    async def check_lora(self, path: str) -> None:
-        """Raises RequestError (naming ``lora_path``) unless a DiT replica finds ``path`` an adapter it can take."""
+    async def check_lora(self, path: str) -> str:
+        """A DiT replica's ``check_lora``: the resolved path, or RequestError naming ``lora_path``."""
         try:
-            await self.dit_calls.check_lora.remote(path)
+            return await self.dit_calls.check_lora.remote(path)
         except Exception as err:
             raise stage_error(err, "dit", StageCall.CHECK_LORA) from None
 
@@ -115,8 +115,9 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
             cancel(stream)
             raise
 
-    async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode) -> Decoded:
-        response = self.vae.decode.remote(request_id, Upstream("dit", StageCall.DENOISE, latents), output)
+    async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode, preview: bool = False
+                     ) -> Decoded:
+        response = self.vae.decode.remote(request_id, Upstream("dit", StageCall.DENOISE, latents), output, preview)
         try:
             return await response
         except Exception as err:

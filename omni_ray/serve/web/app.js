@@ -6,6 +6,11 @@ const form = document.getElementById("form");
 const button = document.getElementById("generate");
 const results = document.getElementById("results");
 const PARTIAL_IMAGES = 2;
+const keyInput = document.getElementById("api_key");
+const KEY_STORAGE = "omni-ray-api-key";  // kept for this tab only
+
+document.body.classList.toggle("keyed", settings.api_key);
+keyInput.value = sessionStorage.getItem(KEY_STORAGE) ?? "";
 
 document.body.classList.toggle("edit", settings.edit);
 document.getElementById("model").textContent =
@@ -48,7 +53,8 @@ form.addEventListener("submit", async (event) => {
 });
 
 function fields() {
-  const body = { stream: true, partial_images: PARTIAL_IMAGES, response_format: "b64_json" };
+  // progress: omni-ray's per-step events, which OpenAI's API does not have and sends only to callers that ask.
+  const body = { stream: true, progress: true, partial_images: PARTIAL_IMAGES, response_format: "b64_json" };
   for (const name of ["prompt", "negative_prompt", "size", "num_inference_steps", "true_cfg_scale", "seed", "n"]) {
     const value = document.getElementById(name).value.trim();
     if (value === "") continue;
@@ -61,19 +67,25 @@ function fields() {
 
 async function generate(body) {
   let response;
+  const headers = {};
+  const key = keyInput.value.trim();
+  if (settings.api_key) {
+    sessionStorage.setItem(KEY_STORAGE, key);
+    if (key) headers.Authorization = `Bearer ${key}`;
+  }
   if (settings.edit) {
     const data = new FormData();
     if (imageInput.files[0]) data.append("image", imageInput.files[0]);
     for (const [name, value] of Object.entries(body)) data.append(name, String(value));
-    response = await fetch("/v1/images/edits", { method: "POST", body: data });
+    response = await fetch("/v1/images/edits", { method: "POST", headers, body: data });
   } else {
-    response = await fetch("/v1/images/generations", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
-    });
+    headers["Content-Type"] = "application/json";
+    response = await fetch("/v1/images/generations", { method: "POST", headers, body: JSON.stringify(body) });
   }
   if (!response.ok) {
     const error = (await response.json().catch(() => null))?.error;
-    showError(error?.param ?? "", error?.message ?? `HTTP ${response.status}`);
+    const field = response.status === 401 ? "api_key" : error?.param ?? "";
+    showError(field, error?.message ?? `HTTP ${response.status}`);
     return;
   }
   results.replaceChildren();
@@ -101,7 +113,9 @@ async function generate(body) {
       view.progress.value = view.progress.max;
       view.download.href = url;
       view.download.hidden = false;
-      view.status.textContent = `done, ${event.size}`;
+      view.image.onload = () => {
+        view.status.textContent = `done, ${view.image.naturalWidth}x${view.image.naturalHeight}`;
+      };
     }
   });
 }

@@ -1,0 +1,128 @@
+"""The served app's edges (issue 28) on a real local Ray cluster: API keys from OMNI_RAY_API_KEY, run-time adapters
+that every coordinator replica serves (two replicas here, one of them killed and replaced), and the page asking for
+the key in Chromium."""
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import psutil
+import pytest
+import yaml
+from conftest import REPO
+
+from testing.local_serve import LocalServe
+from testing.lora_files import make_adapter
+from testing.openai_api import conforms
+
+pytestmark = pytest.mark.serve
+KEYS = ("sk-omni-first", "sk-omni-second")
+COORDINATOR = "ray::ServeReplica:omni-ray:Coordinator"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir, tmp_path_factory):
+    adapters = tmp_path_factory.mktemp("adapters")
+    preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
+    preset["coordinator"]["num_replicas"] = 2
+    preset["lora"] = {"allow_runtime_updates": True, "roots": [str(adapters)]}
+    with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=preset,
+                    env={"OMNI_RAY_API_KEY": ",".join(KEYS)}) as local:
+        yield local, adapters
+
+
+def call(base: str, path: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(base + path, data, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def keyed(key: str = KEYS[0]) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_routes_take_the_key_and_the_official_client_sends_it(served):
+    local, _ = served
+    body = {"prompt": "a red cat", "size": "64x64", "num_inference_steps": 2}
+    for headers in ({}, keyed("sk-wrong"), {"X-Api-Key": KEYS[0]}, {"Authorization": KEYS[0]}):
+        for path, payload in (("/v1/images/generations", body), ("/v1/models", None)):
+            status, response = call(local.base_url, path, payload, headers)
+            assert status == 401, (path, headers)
+            conforms("ErrorResponse", response)
+            assert response["error"]["code"] == "invalid_api_key" and "sk-" not in response["error"]["message"]
+    assert call(local.base_url, "/health")[0] == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=local.base_url + "/v1", api_key="sk-wrong").models.list()
+    for key in KEYS:
+        client = openai.OpenAI(base_url=local.base_url + "/v1", api_key=key)
+        result = client.images.generate(prompt="a red cat", size="64x64", extra_body={"num_inference_steps": 2})
+        conforms("ImagesResponse", result.to_dict())
+    events = list(client.images.generate(prompt="a red cat", size="64x64", stream=True, partial_images=1,
+                                         extra_body={"num_inference_steps": 3}))
+    assert [event.type for event in events] == ["image_generation.partial_image", "image_generation.completed"]
+    for event in events:
+        conforms("ImageGenStreamEvent", event.to_dict())
+    assert "OMNI_RAY_API_KEY is not set" not in local.log() and KEYS[0] not in local.log()
+
+
+def coordinator_pids() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(COORDINATOR)}
+
+
+def test_every_coordinator_replica_serves_a_run_time_adapter_and_so_does_a_replacement(served, tiny_dir):
+    local, adapters = served
+    assert len(coordinator_pids()) == 2
+    make_adapter(tiny_dir, adapters / "A", rank=4, seed=1)
+    status, loaded = call(local.base_url, "/v1/load_lora_adapter", {"lora_name": "A", "lora_path": "A"}, keyed())
+    assert (status, loaded) == (200, {"lora_name": "A", "status": "loaded"})
+    body = {"prompt": "a red cat", "size": "64x64", "num_inference_steps": 2, "model": "A"}
+
+    def every_replica_serves_it() -> None:
+        # The proxy spreads requests over both replicas: 16 in a row all reach one with odds of 2 in 65,536.
+        for _ in range(16):
+            status, models = call(local.base_url, "/v1/models", headers=keyed())
+            assert status == 200 and [m["id"] for m in models["data"]] == ["qwen-image-tiny", "A"]
+            assert str(adapters) not in json.dumps(models)  # no path in any response
+        for _ in range(3):
+            assert call(local.base_url, "/v1/images/generations", body, keyed(KEYS[1]))[0] == 200
+
+    every_replica_serves_it()
+    before = coordinator_pids()
+    victim = psutil.Process(min(before))
+    victim.kill()
+    victim.wait(30)
+    deadline = time.monotonic() + 120
+    while not (len(after := coordinator_pids()) == 2 and not after & {victim.pid}) or \
+            call(local.base_url, "/health")[0] != 200:
+        assert time.monotonic() < deadline, "no replacement coordinator replica within 120 s"
+        time.sleep(1)
+    time.sleep(3)  # the proxy learns that the killed replica is gone
+    every_replica_serves_it()
+    assert call(local.base_url, "/v1/unload_lora_adapter", {"lora_name": "A"}, keyed())[0] == 200
+    for _ in range(8):
+        assert call(local.base_url, "/v1/images/generations", body, keyed())[0] == 404
+
+
+def test_the_page_asks_for_the_key(served):
+    from testing.browser import browser_page, result_size
+
+    local, _ = served
+    with browser_page() as page:
+        page.goto(local.base_url + "/")
+        assert page.is_visible("#api_key")
+        page.fill("#prompt", "a lighthouse")
+        page.fill("#size", "64x64")
+        page.fill("#num_inference_steps", "2")
+        page.fill("#api_key", "sk-wrong")
+        page.click("#generate")
+        page.wait_for_selector('[data-error-for="api_key"]:not(:empty)')
+        assert "API key" in page.text_content('[data-error-for="api_key"]')
+        page.fill("#api_key", KEYS[1])
+        page.click("#generate")
+        assert result_size(page) == (64, 64)
