@@ -45,6 +45,8 @@ else
 # needs its pure-Python transforms. The script explains the guard.
 	$(PY) tools/guard_torchvision.py
 endif
+# serve run's start-up hook (omni_ray/serve/run_hook.py): a stale cluster address dropped, SIGTERM a clean stop.
+	$(PY) -m omni_ray.serve.run_hook
 	touch $@
 
 $(TINY_DIR)/model_index.json: $(STAMP) omni_ray/checkpoints/tiny.py
@@ -53,13 +55,8 @@ $(TINY_DIR)/model_index.json: $(STAMP) omni_ray/checkpoints/tiny.py
 test: install
 	$(PY) -m pytest
 
-# A cluster stopped by killing its processes leaves /tmp/ray/ray_current_cluster behind, and `serve run` would try to
-# join that dead address for ever: a file naming an address where nothing answers is removed first.
-RAY_CURRENT := /tmp/ray/ray_current_cluster
+# `serve run` drops an address file that names a dead cluster and stops cleanly on SIGTERM: omni_ray/serve/run_hook.py.
 serve: install
-	@if [ -f $(RAY_CURRENT) ] && ! timeout 2 bash -c "exec 3<>/dev/tcp/$$(sed 's/:/\//' $(RAY_CURRENT))" 2>/dev/null; then \
-		echo "no Ray cluster answers at $$(cat $(RAY_CURRENT)) (left by a stopped run): removing $(RAY_CURRENT)"; \
-		rm -f $(RAY_CURRENT); fi
 	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run config.yaml
 
 clean:

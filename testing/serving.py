@@ -59,7 +59,8 @@ def stage_stats(served) -> dict:
 
 def assert_stops_within_10_s_leaving_no_vllm_file(served, signum) -> None:
     """vLLM's encoder rendezvouses over loopback TCP, so no /tmp/vllm_dist_* file exists to be left behind,
-    however a replica ends; ``signum`` stops serve run within 10 s."""
+    however a replica ends; ``signum`` (SIGINT or SIGTERM) stops serve run within 10 s, with status 0 and no stack
+    dump."""
     import glob
     import os
 
@@ -69,6 +70,8 @@ def assert_stops_within_10_s_leaving_no_vllm_file(served, signum) -> None:
     process.send_signal(signum)
     process.wait(timeout=30)
     assert time.monotonic() - start < 10
+    log = served["local"].log()
+    assert process.returncode == 0 and "*** SIGTERM received" not in log, log[-3000:]
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
