@@ -98,6 +98,9 @@ def test_a_bad_field_is_a_400_naming_it(client, body, param):
 def test_a_body_that_is_not_json_is_a_400(client):
     response = client.post("/v1/images/generations", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    for body in ([{"prompt": "a cat"}], "a cat", 3):
+        response = client.post("/v1/images/generations", json=body)
+        assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"], body
 
 
 def test_an_unknown_model_is_a_404_model_not_found(client):

@@ -226,7 +226,9 @@ class Coordinator:
     async def _adapters_for(self, body: dict | ImageGenerationRequest) -> dict[str, str]:
         """The adapter the request's ``model`` names (name -> file), when it names one that exists; else every
         adapter, for the 404 to list."""
-        name = body.get("model") if isinstance(body, dict) else body.model
+        if not isinstance(body, (dict, ImageGenerationRequest)):
+            return {}  # not a JSON object: planning refuses it
+        name = body.model if isinstance(body, ImageGenerationRequest) else body.get("model")
         if not isinstance(name, str) or name == self.config.name:
             return {}
         if name in self.config.loras:
