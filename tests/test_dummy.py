@@ -34,7 +34,7 @@ def test_the_dummy_checkpoint_has_the_configs_and_a_tokenizer_with_qwen_s_ids_bu
     tokenizer = AutoTokenizer.from_pretrained(reduced / "tokenizer")
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(151643, 151643 + len(SPECIAL_TOKENS)))
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
-    assert PromptTokenizer(str(reduced)).num_tokens("a red cat", None).total > 0  # the template's prefix drops as Qwen's
+    assert PromptTokenizer(str(reduced)).num_tokens("a red cat", None).text > 0  # the prefix drops as Qwen's
 
 
 def dummy_preset(model, **changes) -> dict:

@@ -181,7 +181,8 @@ KEYED_ROUTES = [("POST", "/v1/images/generations"), ("POST", "/v1/images/edits")
 def test_every_v1_route_takes_an_api_key_when_the_server_has_keys(config):
     client, stages = client_for(allowing_runtime_adapters(config), api_keys=ApiKeys.from_env(
         {"OMNI_RAY_API_KEY": "sk-first, sk-second"}))
-    assert {path for _, path, _ in ROUTES.values() if path.startswith("/v1/")} == {path for _, path in KEYED_ROUTES}  # a new /v1 route must be listed here too
+    # a new /v1 route must be listed in KEYED_ROUTES too
+    assert {path for _, path, _ in ROUTES.values() if path.startswith("/v1/")} == {path for _, path in KEYED_ROUTES}
     wrong = [{}, {"Authorization": "Bearer sk-third"}, {"Authorization": "sk-first"}, {"X-Api-Key": "sk-first"},
              {"Authorization": "Basic sk-first"}]
     for method, path in KEYED_ROUTES:

@@ -59,8 +59,9 @@ def plan_request(
 
     An edit brings its ``image`` (``load_input_image``'s); its working size is the default output size.
     ``count_tokens(text, image_size)`` gives a prompt's templated length (a ``TokenCount``: its text's tokens and
-    the image's), checked against the encoder's limit and counted in the response's ``usage``. ``adapters`` (name -> file) are the LoRA adapters ``model`` may name. ``has_image``
-    says the request brought an image when ``image`` was not decoded (the preset does not edit).
+    the image's), checked against the encoder's limit and counted in the response's ``usage``. ``adapters``
+    (name -> file) are the LoRA adapters ``model`` may name. ``has_image`` says the request brought an image when
+    ``image`` was not decoded (the preset does not edit).
     """
     check_route(config, has_image=image is not None if has_image is None else has_image)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
