@@ -103,7 +103,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
             start = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - start)
-        core.abort_requests(list(core.scheduler.key_of))
+        core.abort_requests(list(core.scheduler.entries))
         core.step()
         return min(times)
 

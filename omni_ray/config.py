@@ -26,6 +26,7 @@ from omni_ray.qwen_image import (
 )
 
 PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -56,6 +57,17 @@ class AutoscalingConfig(_Frozen):
     target_ongoing_requests: float = Field(
         2.0, gt=0, description="Ongoing requests per replica that Serve aims for when it scales."
     )
+    target_queued_work_s: float | None = Field(
+        None, gt=0, description="DiT only: scale on the work the replicas hold instead, in cost-seconds (their "
+        "requests' remaining steps at their measured step times; omni_ray/serve/autoscaling.py): as many replicas "
+        "as that work over this.",
+    )
+    look_back_period_s: float = Field(30.0, gt=0, description="Seconds of the replicas' reports Serve averages "
+                                      "before each decision.")
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long Serve's decision to add replicas must hold "
+                                   "before it acts.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long Serve's decision to remove replicas must "
+                                     "hold before it acts.")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingConfig:
@@ -162,8 +174,29 @@ class DiTConfig(_StageConfig):
     max_batch_size: PositiveInt = Field(8, description="Most requests denoised together in one step.")
     max_wait_steps: PositiveInt = Field(
         8,
-        description="Steps requests of another size or CFG mode wait at most while the running batch's key keeps "
-        "the DiT; then the DiT switches to them, so no key starves.",
+        description="Steps requests of another size or CFG mode (and the same priority) wait at most while the "
+        "running batch's key keeps the DiT; then the DiT switches to them, so no key starves.",
+    )
+    scheduling: Literal["priority", "fifo"] = Field(
+        "priority",
+        description="priority: each step runs the most urgent requests (`priority`, aged by `priority_aging_s`), "
+        "round robin over tenants, within `max_batch_tokens`; a running request that loses its row is paused at the "
+        "step boundary and resumed later. fifo: oldest key first, requests in arrival order up to `max_batch_size` "
+        "(the scheduling before priorities; omni_ray/engine/dit_scheduler.py).",
+    )
+    max_batch_tokens: PositiveInt | None = Field(
+        None,
+        description="Work one step may take: image plus text tokens of every row, doubled with true CFG (an edit's "
+        "input image tokens included); a step's first row always runs. Unset, rows are bounded by max_batch_size "
+        "alone. Small images then batch deeply and large ones run one or two at a time.",
+    )
+    max_paused: NonNegativeInt = Field(
+        32, description="Admitted requests that may sit paused outside a step at once (their latents stay in "
+        "memory); past it new requests wait in the queue instead of being admitted.",
+    )
+    priority_aging_s: float = Field(
+        60.0, gt=0, description="A waiting request's priority improves by one level for every this many seconds it "
+        "has waited, so that no request starves.",
     )
     cache: CacheSettings | None = Field(
         None, description="Cache acceleration for requests that do not set `cache`; unset, off. A request's own "
@@ -337,6 +370,11 @@ class PipelineConfig(_Frozen):
         check_placement(self)
         if self.name in self.loras:
             raise ValueError(f"loras: {self.name!r} is the base model's name; give the adapter another")
+        for stage_name in ("encoder", "vae"):
+            scaling = getattr(self, stage_name).deployment.autoscaling
+            if scaling is not None and scaling.target_queued_work_s is not None:
+                raise ValueError(f"{stage_name}.deployment.autoscaling.target_queued_work_s: only the DiT reports its "
+                                 "work; scale this stage on target_ongoing_requests")
         if self.dit.deployment.max_ongoing_requests < self.dit.max_batch_size:
             raise ValueError(
                 f"dit.deployment.max_ongoing_requests ({self.dit.deployment.max_ongoing_requests}) must be at least "

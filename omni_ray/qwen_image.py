@@ -24,6 +24,14 @@ def image_tokens(height: int, width: int) -> int:
     return (height // SIZE_MULTIPLE) * (width // SIZE_MULTIPLE)
 
 
+def dit_work_tokens(height: int, width: int, text_tokens: int, true_cfg: bool,
+                    image_size: tuple[int, int] | None = None) -> int:
+    """Tokens one denoising step of an image pushes through the transformer: its image tokens, an edit's input image
+    tokens and its text tokens in every pass, two passes with true CFG. The DiT's unit of work (``max_batch_tokens``)."""
+    tokens = image_tokens(height, width) + text_tokens + (image_tokens(*image_size) if image_size else 0)
+    return tokens * (2 if true_cfg else 1)
+
+
 def latent_grid(height: int, width: int) -> tuple[int, int]:
     """(rows, cols) of the VAE's latents for an image of ``height`` x ``width`` pixels, before 2x2 packing."""
     return 2 * (height // SIZE_MULTIPLE), 2 * (width // SIZE_MULTIPLE)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, NamedTuple, TypeVar
 
 from omni_ray.config import CacheSettings
+from omni_ray.qwen_image import dit_work_tokens
 
 if TYPE_CHECKING:
     import numpy as np
@@ -87,6 +88,8 @@ class DenoiseParams:
     lora: LoraRef | None = None  # a LoRA adapter resident in the runner; never splits a batch either
     previews: tuple[int, ...] = ()  # steps after which to hand back the clean image the step predicts
     true_cfg: bool = False  # runs the unconditional pass beside the conditional one
+    priority: int = 0  # lower runs first; the DiT pauses lower-priority requests at a step boundary for it
+    tenant: str = ""  # who sent it (an API key's name, or OpenAI's `user`): the DiT shares steps fairly between them
 
     def __post_init__(self) -> None:
         if any(not 0 < step < self.num_inference_steps for step in self.previews):
@@ -117,6 +120,14 @@ class DenoiseRequest:
         """Requests whose keys match can share a forward pass: same size, CFG mode and edit image size."""
         image_size = (self.image.height, self.image.width) if self.image is not None else None
         return (self.params.height, self.params.width, self.params.true_cfg, image_size)
+
+    @property
+    def work_tokens(self) -> int:
+        """Tokens each of its steps pushes through the transformer (``qwen_image.dit_work_tokens``)."""
+        texts = [self.prompt] + ([self.negative] if self.params.true_cfg else [])
+        image_size = (self.image.height, self.image.width) if self.image is not None else None
+        return dit_work_tokens(self.params.height, self.params.width, max(t.num_tokens for t in texts),
+                               self.params.true_cfg, image_size)
 
 
 @dataclass(slots=True)

@@ -81,6 +81,11 @@ class Stages(ABC, Generic[Handle]):
     def cancel(self, handle: Handle) -> None:
         """Cancels a started call; a no-op on finished ones."""
 
+    async def estimate(self, plan: GenerationPlan) -> float | None:
+        """Seconds until the DiT would be done with the plan's images, from the work queued ahead of them (as urgent
+        or more) and their own; None when these stages cannot say (then nothing is refused early)."""
+        return None
+
     @abstractmethod
     async def check_lora(self, path: str) -> str:
         """The resolved path of a run-time adapter the DiT can take; RequestError (naming ``lora_path``) when
@@ -136,14 +141,14 @@ async def run_request(
         for index in range(plan.request.n)
     ]
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + limits.timeout_s
+    deadline = loop.time() + plan.timeout_s
     remaining = plan.request.n
     try:
         while remaining:
             try:
                 event = await asyncio.wait_for(events.get(), deadline - loop.time())
             except TimeoutError:
-                late = DeadlineExceededError(f"request {request_id} ran past its {limits.timeout_s:g} s deadline")
+                late = DeadlineExceededError(f"request {request_id} ran past its {plan.timeout_s:g} s deadline")
                 event = Failed(late)
             yield event
             if isinstance(event, Failed):
@@ -174,7 +179,7 @@ def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
     return DenoiseParams(
         plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale, plan.cache,
         plan.lora, preview_steps(request.partial_images if request.stream else 0, plan.num_inference_steps),
-        true_cfg=plan.true_cfg,
+        true_cfg=plan.true_cfg, priority=request.priority, tenant=plan.tenant,
     )
 
 

@@ -1,6 +1,7 @@
 """The DiT engine on the tiny checkpoint: step-level batching keeps each request's result, aborts leave cleanly."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_abort_leaves_at_next_step_and_others_are_unchanged(runner, requests, so
     for request_id in ("r1", "r3"):
         assert (results[request_id].latents - solo[request_id].latents).abs().max().item() <= TOLERANCE
     scheduler = core.scheduler
-    assert not (scheduler.waiting or scheduler.running or scheduler.key_of or scheduler.freed_ids)
+    assert not (scheduler.entries or scheduler.last_served or scheduler.freed_ids)
     assert runner.states == {}
 
 
@@ -245,3 +246,22 @@ def test_a_stuck_step_fails_the_health_check():
 
     asyncio.run(main())
     engine.shutdown()
+
+
+def test_a_request_paused_for_a_more_urgent_one_resumes_where_it_was_and_ends_as_it_would_alone(
+        runner, requests, solo):
+    """Preemption at a step boundary keeps the paused request's state in the runner: its latents are those of the
+    same request never paused (each step of it ran alone both times, so equal exactly)."""
+    scheduler = DiTScheduler(max_batch_size=8, max_wait_steps=4, max_batch_tokens=1)  # one row a step
+    core = EngineCore(scheduler, runner)
+    low = DenoiseRequest("low", dataclasses.replace(requests[3].params, priority=1), requests[3].prompt,
+                         requests[3].negative)
+    core.add_request(low)
+    core.step()
+    core.add_request(requests[0])  # priority 0, two steps
+    results, batches = run_to_completion(core)
+    assert batches == [["r0"], ["r0"], ["low"], ["low"], ["low"]]
+    assert scheduler.num_paused_steps == 2
+    assert torch.equal(results["low"].latents, solo["r3"].latents)
+    assert torch.equal(results["r0"].latents, solo["r0"].latents)
+    assert runner.states == {}

@@ -87,6 +87,11 @@ def test_streamed_events_are_previews_then_the_image_and_progress_only_when_aske
     ({"prompt": "a cat", "colour": "red"}, "colour"),
     ({"prompt": "  "}, "prompt"),
     ({"prompt": "a cat", "true_cfg_scale": "high"}, "true_cfg_scale"),
+    ({"prompt": "a cat", "priority": 101}, "priority"),
+    ({"prompt": "a cat", "priority": 1.5}, "priority"),
+    ({"prompt": "a cat", "timeout": 0}, "timeout"),
+    ({"prompt": "a cat", "timeout": 100000}, "timeout"),
+    ({"prompt": "a cat", "user": "u" * 257}, "user"),
 ])
 def test_a_bad_field_is_a_400_naming_it(client, body, param):
     response = client.post("/v1/images/generations", json=body)
@@ -267,3 +272,46 @@ def test_adapter_paths_outside_the_roots_are_refused_without_reading_them(config
     assert read == []  # nothing outside the root was read
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "inside.safetensors"})
     assert loaded.status_code == 200 and read == [str(root / "inside.safetensors")]  # relative: under the root
+
+
+class EstimatingStages(FakeStages):
+    """Fake stages whose DiT says it would finish any request in ``seconds``."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds, self.asked = seconds, []
+
+    async def estimate(self, plan):
+        self.asked.append(plan)
+        return self.seconds
+
+
+def test_a_request_the_queue_cannot_finish_by_its_deadline_is_refused_at_once(config):
+    stages = EstimatingStages(20.0)
+    client, _ = client_for(config, stages)
+    body = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 3, "n": 2, "timeout": 5, "priority": 1}
+    for streamed in (False, True):  # a stream is refused before it starts: a 503, not an error event
+        response = client.post("/v1/images/generations", json={**body, "stream": streamed})
+        error = response.json()["error"]
+        assert response.status_code == 503 and response.headers["retry-after"] == "15"
+        assert error["type"] == "overloaded_error" and "past its 5 s deadline" in error["message"]
+    assert not stages.calls  # no stage was asked anything
+    plan = stages.asked[0]
+    assert (plan.request.priority, plan.request.n, plan.num_inference_steps, plan.timeout_s) == (1, 2, 3, 5)
+    assert plan.work_tokens > 16  # 64x64 is 16 image tokens; the prompt's come on top
+    response = client.post("/v1/images/generations", json={**body, "timeout": 30})
+    assert response.status_code == 200
+    assert [call.args[1].priority for call in stages.calls_to("denoise")] == [1, 1]
+
+
+def test_the_dit_shares_steps_between_api_keys_or_else_users(config):
+    keyed, stages = client_for(config, api_keys=ApiKeys(["sk-a", "sk-b"]))
+    for key in ("sk-a", "sk-b"):
+        response = keyed.post("/v1/images/generations", headers={"Authorization": f"Bearer {key}"},
+                              json={"prompt": "a cat", "size": "64x64", "user": "mallory"})
+        assert response.status_code == 200
+    assert [call.args[1].tenant for call in stages.calls_to("denoise")] == ["key0", "key1"]  # never the key itself
+    open_client, stages = client_for(config)
+    open_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "user": "alice"})
+    open_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64"})
+    assert [call.args[1].tenant for call in stages.calls_to("denoise")] == ["alice", ""]

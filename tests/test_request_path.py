@@ -17,8 +17,9 @@ from testing.fake_stages import FakeStages
 LIMITS = RequestLimits(default_width=64, default_height=64, min_side=32, max_side=512, timeout_s=5.0)
 
 
-def plan(image=None, **body):
-    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=10, image=image)
+def plan(image=None, timeout_s=5.0, **body):
+    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=10, image=image,
+                          timeout_s=timeout_s)
 
 
 def run(stages, request, limits=LIMITS, output="pixels"):
@@ -115,7 +116,7 @@ def test_a_failing_image_ends_the_request_and_cancels_every_other_call():
 
 def test_the_deadline_ends_the_request_and_cancels_its_calls():
     stages = FakeStages(hang="decode")
-    events = run(stages, plan(n=2), RequestLimits(min_side=32, default_width=64, default_height=64, timeout_s=0.2))
+    events = run(stages, plan(n=2, timeout_s=0.2))
     assert isinstance(events[-1], Failed) and isinstance(events[-1].error, DeadlineExceededError)
     assert "0.2 s deadline" in str(events[-1].error) and events[-1].error.status_code == 504
 

@@ -19,9 +19,12 @@ from omni_ray.records import (
 SQUARE, WIDE = (64, 64), (64, 96)
 
 
-def request(request_id, steps, size=SQUARE, cfg=False):
+def request(request_id, steps, size=SQUARE, cfg=False, priority=0, tenant=""):
+    """A request of ``steps`` steps; its work is 16 image tokens (64x64) plus 3 text tokens a pass: 19, or 38 with
+    true CFG."""
     negative = PromptEmbeds(torch.zeros(2, 4)) if cfg else None
-    params = DenoiseParams(size[0], size[1], steps, seed=0, true_cfg_scale=4.0 if cfg else 1.0, true_cfg=cfg)
+    params = DenoiseParams(size[0], size[1], steps, seed=0, true_cfg_scale=4.0 if cfg else 1.0, true_cfg=cfg,
+                           priority=priority, tenant=tenant)
     return DenoiseRequest(request_id, params, PromptEmbeds(torch.zeros(3, 4)), negative)
 
 
@@ -68,7 +71,7 @@ def run(scheduler, runner, num_steps):
 
 def assert_no_trace(scheduler, runner):
     assert not scheduler.has_requests()
-    held = (scheduler.waiting, scheduler.running, scheduler.key_of, scheduler.arrived_at, scheduler.last_served)
+    held = (scheduler.entries, scheduler.last_served, scheduler.tenant_served)
     assert not any(held) and scheduler.freed_ids == []
     assert runner.steps == {}
 
@@ -159,6 +162,105 @@ def test_a_failed_request_leaves_alone():
     assert [(o.request_id, o.error) for o in errors] == [("bad", "boom")]
     assert run(scheduler, runner, 1) == [["ok"]]
     assert_no_trace(scheduler, runner)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_step_takes_rows_within_its_token_budget_and_its_first_row_always():
+    assert request("a", 1).work_tokens == 19 and request("a", 1, cfg=True).work_tokens == 38
+    scheduler, runner = DiTScheduler(max_batch_size=8, max_wait_steps=4, max_batch_tokens=40), FakeRunner()
+    for request_id in "abc":
+        scheduler.add_request(request(request_id, 2))
+    assert run(scheduler, runner, 4) == [["a", "b"], ["a", "b"], ["c"], ["c"]]
+    assert scheduler.last_step_tokens == 19
+    big = DiTScheduler(max_batch_size=8, max_wait_steps=4, max_batch_tokens=20)
+    for request_id in "xy":
+        big.add_request(request(request_id, 1, cfg=True))  # 38 tokens each: over the budget alone
+    assert run(big, FakeRunner(), 2) == [["x"], ["y"]]
+
+
+def test_an_urgent_request_pauses_running_ones_at_the_step_boundary_and_they_resume_where_they_were():
+    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4), FakeRunner()
+    scheduler.add_request(request("batch1", 4, priority=1))
+    scheduler.add_request(request("batch2", 4, priority=1))
+    assert run(scheduler, runner, 2) == [["batch1", "batch2"], ["batch1", "batch2"]]
+    scheduler.add_request(request("urgent", 2, priority=0))
+    ids, _ = step(scheduler, runner)
+    assert ids == ["batch1", "urgent"] and scheduler.num_paused == 1  # batch2 sits this step out
+    ids, _ = step(scheduler, runner)
+    assert ids == ["batch1", "urgent"]
+    # batch2 goes on from its third step: its state stayed in the runner, nothing restarted.
+    assert runner.steps["batch2"] == (2, 4) and [r.request_id for r in runner.batches[-1].new_requests] == []
+    assert run(scheduler, runner, 2) == [["batch2"], ["batch2"]]  # batch1 was done with "urgent"
+    assert scheduler.num_paused_steps == 2
+    assert_no_trace(scheduler, runner)
+
+
+def test_an_urgent_request_of_another_size_takes_the_engine_at_once():
+    scheduler, runner = DiTScheduler(max_batch_size=8, max_wait_steps=100), FakeRunner()
+    scheduler.add_request(request("big", 5, size=WIDE, priority=1))
+    run(scheduler, runner, 1)
+    scheduler.add_request(request("small", 2, priority=0))
+    assert run(scheduler, runner, 6) == [["small"], ["small"], ["big"], ["big"], ["big"], ["big"]]
+    assert_no_trace(scheduler, runner)
+
+
+def test_rows_go_round_robin_over_tenants_so_a_flood_does_not_starve_a_light_tenant():
+    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4), FakeRunner()
+    for i in range(6):
+        scheduler.add_request(request(f"heavy{i}", 3, tenant="heavy"))
+    assert run(scheduler, runner, 1) == [["heavy0", "heavy1"]]
+    scheduler.add_request(request("light", 3, tenant="light"))
+    # The light tenant's request takes a row at the next step (heavy1 pauses); the heavy tenant keeps the other.
+    assert run(scheduler, runner, 3) == [["heavy0", "light"], ["heavy0", "light"], ["heavy1", "light"]]
+    assert runner.steps["heavy1"] == (2, 3)  # it went on from its second step
+    assert run(scheduler, runner, 1) == [["heavy1", "heavy2"]]
+    fifo = DiTScheduler(max_batch_size=2, max_wait_steps=4, policy="fifo")
+    for i in range(4):
+        fifo.add_request(request(f"heavy{i}", 1, tenant="heavy"))
+    fifo.add_request(request("light", 1, tenant="light"))
+    assert run(fifo, FakeRunner(), 3) == [["heavy0", "heavy1"], ["heavy2", "heavy3"], ["light"]]
+
+
+def test_waiting_ages_a_request_up_a_priority_level_every_aging_period_so_nothing_starves():
+    clock = Clock()
+    scheduler = DiTScheduler(max_batch_size=1, max_wait_steps=100, aging_s=10, clock=clock)
+    runner = FakeRunner()
+    scheduler.add_request(request("batch", 1, priority=2))
+    stepped = []
+    for second in range(0, 40, 5):  # an urgent request every 5 s, each taking the engine at once
+        clock.now = second
+        scheduler.add_request(request(f"urgent{second}", 1))
+        stepped += run(scheduler, runner, 1)
+    # At 20 s "batch" has waited two periods: priority 0 as the urgent request of 20 s, and older, so it runs first.
+    assert stepped[:6] == [["urgent0"], ["urgent5"], ["urgent10"], ["urgent15"], ["batch"], ["urgent20"]]
+
+
+def test_no_new_request_is_admitted_while_more_than_max_paused_would_sit_out():
+    scheduler, runner = DiTScheduler(max_batch_size=1, max_wait_steps=100, max_paused=1), FakeRunner()
+    scheduler.add_request(request("low", 3, priority=2))
+    run(scheduler, runner, 1)
+    scheduler.add_request(request("mid", 3, priority=1))
+    assert run(scheduler, runner, 1) == [["mid"]] and scheduler.num_paused == 1
+    scheduler.add_request(request("high", 2, priority=0))
+    # Admitting "high" would leave two paused: it waits (holding no state) until "mid" is done.
+    assert run(scheduler, runner, 5) == [["mid"], ["mid"], ["high"], ["high"], ["low"]]
+    assert scheduler.num_paused == 0
+
+
+def test_fifo_ignores_priorities_and_budgets():
+    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4, max_batch_tokens=19, policy="fifo"), \
+        FakeRunner()
+    scheduler.add_request(request("first", 2, priority=5))
+    scheduler.add_request(request("second", 2, priority=5))
+    scheduler.add_request(request("urgent", 1, priority=0))
+    assert run(scheduler, runner, 3) == [["first", "second"], ["first", "second"], ["urgent"]]
 
 
 def decode_request(request_id, size):

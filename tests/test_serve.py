@@ -299,6 +299,8 @@ BAD_REQUESTS = [
     ({"prompt": "a cat", "size": "1024x1024"}, 400, "size"),
     ({"prompt": "a cat", "size": 64}, 400, "size"),
     ({"prompt": "a cat", "n": 0}, 400, "n"),
+    ({"prompt": "a cat", "priority": -101}, 400, "priority"),
+    ({"prompt": "a cat", "timeout": -1}, 400, "timeout"),
     ({"prompt": "a cat", "n": 11}, 400, "n"),
     ({"prompt": "a cat", "n": "2"}, 400, "n"),
     ({"prompt": "a cat", "n": 2.5}, 400, "n"),

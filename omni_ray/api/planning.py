@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, PipelineConfig
 from omni_ray.errors import NotFoundError, RequestError
-from omni_ray.qwen_image import check_side, uses_true_cfg
+from omni_ray.qwen_image import check_side, dit_work_tokens, template_for, uses_true_cfg
 from omni_ray.records import LoraRef, TokenCount
 
 if TYPE_CHECKING:
@@ -35,11 +35,23 @@ class GenerationPlan:
     quality: str = "high"  # OpenAI's quality level the steps are nearest to: what responses name as used
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
     input_tokens: TokenCount = TokenCount(0)  # what the encoder reads: the prompt, and the negative with true CFG
+    timeout_s: float = 600.0  # the request's deadline: its own `timeout`, or the preset's requests.timeout_s
+    tenant: str = ""  # who the DiT shares steps fairly between: the caller's API key's name, or `user`
 
     @property
     def true_cfg(self) -> bool:
         """Whether the request runs true CFG (diffusers' rule), decided here once for every stage."""
         return uses_true_cfg(self.request.true_cfg_scale, self.request.negative_prompt is not None)
+
+    @property
+    def work_tokens(self) -> int:
+        """Tokens each denoising step of one image pushes through the transformer (``qwen_image.dit_work_tokens``),
+        the text's estimated from the tokens the encoder reads."""
+        passes = 2 if self.true_cfg else 1
+        template = template_for(self.image is not None)
+        text = max(1, self.input_tokens.total // passes - template.drop)
+        image_size = self.image.shape[:2] if self.image is not None else None
+        return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_size)
 
     @property
     def event_prefix(self) -> str:
@@ -92,6 +104,9 @@ def plan_request(
     if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
         raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
     steps = request.num_inference_steps or quality_steps(request.quality, config)
+    if request.timeout is not None and request.timeout > config.requests.timeout_s:
+        raise RequestError(f"timeout: at most {config.requests.timeout_s:g} s here (requests.timeout_s)",
+                           param="timeout")
     return GenerationPlan(
         request=request,
         height=height,
@@ -104,6 +119,8 @@ def plan_request(
         else quality_level(steps, config),
         image=image,
         input_tokens=input_tokens,
+        timeout_s=request.timeout or config.requests.timeout_s,
+        tenant=request.user or "",
     )
 
 

@@ -68,7 +68,15 @@ class ImageGenerationRequest(BaseModel):
     moderation: Literal["auto", "low"] = Field("auto", description="OpenAI's moderation level; accepted, no "
                                                 "moderation model runs here.")
     style: str | None = Field(None, description="dall-e-3's style; refused (Qwen-Image has no style setting).")
-    user: str | None = Field(None, description="OpenAI's end-user id; accepted and ignored.")
+    user: str | None = Field(None, max_length=256, description="OpenAI's end-user id: the tenant the DiT shares its "
+                             "steps fairly between, when the server takes no API keys (with keys, the key is).")
+    priority: int = Field(0, ge=-100, le=100, description="omni-ray's, as vLLM's: lower runs first. The DiT pauses "
+                          "less urgent requests at a step boundary to run a more urgent one, and resumes them later.")
+    timeout: Number | None = Field(
+        None, gt=0, description="omni-ray's: seconds the request may take, its deadline; at most the preset's "
+        "requests.timeout_s (the default). A request the queue cannot finish in time is refused at once (503 with "
+        "Retry-After)."
+    )
     safety_identifier: str | None = Field(None, description="OpenAI's successor to `user`; accepted and ignored.")
 
     @field_validator("cache", mode="before")

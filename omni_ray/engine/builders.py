@@ -39,7 +39,8 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
 
 def build_dit_core(config: PipelineConfig) -> DiTEngineCore:
     stage = config.dit
-    scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps)
+    scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, stage.max_batch_tokens, stage.max_paused,
+                             stage.priority_aging_s, stage.scheduling)
     if stage.runner == "simulated":
         return DiTEngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Generic, Protocol, TypeVar
 
+from omni_ray.engine.dit_load import StepTimes
 from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.scheduler import Scheduler, SchedulerOutput
 from omni_ray.records import LoraKey
@@ -60,7 +62,19 @@ class EngineCore(Generic[SchedulerOutputT, RunnerOutputT]):
 
 class DiTEngineCore(EngineCore):
     """The DiT's core: the engine contract, plus the LoRA adapters its runner holds (called between two steps, on
-    the engine's thread, as vLLM's ``add_lora``/``remove_lora`` utility calls run on its core)."""
+    the engine's thread, as vLLM's ``add_lora``/``remove_lora`` utility calls run on its core), and how long its
+    steps take for their tokens (``step_times``, read by the replica's load figures)."""
+
+    def __init__(self, scheduler, runner):
+        super().__init__(scheduler, runner)
+        self.step_times = StepTimes()
+
+    def step(self) -> list[EngineCoreOutput]:
+        started = time.perf_counter()
+        outputs = super().step()
+        if outputs:
+            self.step_times.observe(self.scheduler.last_step_tokens, time.perf_counter() - started)
+        return outputs
 
     @property
     def batch_sizes(self) -> dict[int, int]:

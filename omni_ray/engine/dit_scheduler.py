@@ -1,68 +1,126 @@
-"""Step-level continuous batching for the DiT.
+"""Step-level continuous batching for the DiT, by priority, fair between tenants, within a budget of work.
 
-Every ``schedule()`` picks one batch key (image size, true CFG on or off, an edit's input image size) and steps
-every admitted request of that key once. Waiting requests of that key join at the step boundary while the batch has
-room; finished and aborted requests leave at the boundary. Admitted requests keep their state in the runner, so a key
-can pause and resume at any step: when another key has waited ``max_wait_steps`` steps, the scheduler switches to
-it, and no key starves.
+Every ``schedule()`` picks one batch key (image size, true CFG on or off, an edit's input image size) and the rows
+of that key the step runs. Admitted requests keep their state in the runner, so any of them can sit out a step and
+go on later from where it was: that is how keys take turns, and how a request is paused.
+
+- **Key.** The key of the most urgent request: the lowest effective priority wins (``priority``, less one level
+  per ``aging_s`` seconds waited, so nothing starves). Among keys holding that priority the DiT stays on its current
+  key until another has waited ``max_wait_steps`` steps, then switches to the one that waited longest.
+- **Rows.** The key's requests by effective priority; within a priority, each row goes to the tenant that has used
+  the DiT least lately at that priority (its rows' tokens over recent steps, ``USAGE_HALFLIFE_STEPS``, plus those it
+  took in this step; a tenant's batch jobs do not slow its interactive requests), so
+  a tenant sending a tenth of another's requests gets its rows first and a flood shares the rest; a tenant's admitted
+  requests go before its waiting ones, oldest first. Rows are added while the step stays within ``max_batch_size`` requests and
+  ``max_batch_tokens`` tokens (``DenoiseRequest.work_tokens``; the first row always runs). A running request that
+  loses its row to a more urgent one, or to another tenant's turn, is paused: its state stays in the runner.
+- **Paused.** A step admits no new request while more than ``max_paused`` admitted ones would sit outside it: new
+  requests then wait in the queue, where they hold no state.
+
+``policy="fifo"`` is the scheduling before priorities: every request has the same priority and tenant, there is no
+token budget and no bound on pauses: the oldest key's requests in arrival order, up to ``max_batch_size``.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
 from omni_ray.records import BatchKey, DenoiseBatch, DenoiseOutput, DenoiseRequest
 
+Policy = Literal["priority", "fifo"]
+USAGE_HALFLIFE_STEPS = 50
+
+
+@dataclass(slots=True)
+class _Entry:
+    request: DenoiseRequest
+    key: BatchKey
+    tokens: int  # work tokens per step
+    priority: int
+    tenant: str
+    arrived_step: int  # steps run before it arrived
+    seq: int  # arrival number
+    arrived_at: float  # the scheduler's clock
+    admitted: bool = False  # the runner holds its state
+
 
 class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
-    def __init__(self, max_batch_size: int, max_wait_steps: int):
+    def __init__(self, max_batch_size: int, max_wait_steps: int, max_batch_tokens: int | None = None,
+                 max_paused: int | None = None, aging_s: float | None = None, policy: Policy = "priority",
+                 clock: Callable[[], float] = time.monotonic):
         assert max_batch_size > 0 and max_wait_steps > 0
         self.max_batch_size = max_batch_size
         self.max_wait_steps = max_wait_steps
-        self.waiting: deque[DenoiseRequest] = deque()
-        self.running: dict[BatchKey, list[str]] = {}  # key -> admitted request ids, in admission order
-        self.key_of: dict[str, BatchKey] = {}  # request id -> key, for every unfinished request
-        self.arrived_at: dict[str, tuple[int, int]] = {}  # request id -> (steps run before it arrived, arrival no.)
+        self.policy = policy
+        fifo = policy == "fifo"
+        self.max_batch_tokens = None if fifo else max_batch_tokens
+        self.max_paused = None if fifo else max_paused
+        self.aging_s = None if fifo else aging_s
+        self.clock = clock
+        self.entries: dict[str, _Entry] = {}  # every unfinished request, in arrival order
         self.last_served: dict[BatchKey, int] = {}  # key -> steps run when it last ran (its step included)
+        self.tenant_served: dict[str, int] = {}  # tenant -> steps run when it last had a row
+        self.usage: dict[tuple[int, str], float] = {}  # (priority, tenant) -> tokens its rows took, decayed
         self.freed_ids: list[str] = []  # left the runner's care since the last step
         self.current_key: BatchKey | None = None
         self.num_steps = 0
         self.num_arrivals = 0
+        self.last_step_tokens = 0  # work tokens of the step last scheduled
         self.batch_sizes: Counter[int] = Counter()  # requests per step -> steps run with that many
+        self.num_paused = 0  # admitted requests the last step did not run
+        self.num_paused_steps = 0  # request-steps admitted requests sat out
+
+    # --- the scheduler contract ------------------------------------------------------------------------------------
 
     def add_request(self, request: DenoiseRequest) -> None:
-        assert request.request_id not in self.key_of, f"duplicate request id {request.request_id}"
-        self.waiting.append(request)
-        self.key_of[request.request_id] = self.batch_key(request)
-        self.arrived_at[request.request_id] = (self.num_steps, self.num_arrivals)
+        assert request.request_id not in self.entries, f"duplicate request id {request.request_id}"
+        fifo = self.policy == "fifo"
+        params = request.params
+        self.entries[request.request_id] = _Entry(
+            request, request.batch_key, request.work_tokens, 0 if fifo else params.priority,
+            "" if fifo else params.tenant, self.num_steps, self.num_arrivals, self.clock())
         self.num_arrivals += 1
 
     def finish_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            key = self.key_of.get(request_id)
-            if key is None:
-                continue
-            if request_id in self.running.get(key, ()):
-                self.running[key].remove(request_id)
+            entry = self.entries.pop(request_id, None)
+            if entry is not None and entry.admitted:
                 self.freed_ids.append(request_id)
-            else:
-                self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
-            self._forget(request_id)
+        self._forget_idle_keys()
 
     def schedule(self) -> DenoiseBatch:
         freed, self.freed_ids = self.freed_ids, []
-        key = self._pick_key()
+        rows = self._plan(list(self.entries.values()))
+        if self.max_paused is not None and self._paused_after(rows) > self.max_paused:
+            rows = self._plan([e for e in self.entries.values() if e.admitted])  # the queue waits instead
         self.num_steps += 1
-        if key is None:
+        if not rows:
+            self.current_key = None
+            self.last_step_tokens = self.num_paused = 0
             return DenoiseBatch(new_requests=[], request_ids=[], freed_ids=freed)
-        running = self.running.setdefault(key, [])
-        new = self._admit(key, self.max_batch_size - len(running))
-        running.extend(request.request_id for request in new)
-        self.last_served[key] = self.num_steps
-        self.batch_sizes[len(running)] += 1
-        return DenoiseBatch(new_requests=new, request_ids=list(running), freed_ids=freed)
+        rows.sort(key=lambda entry: entry.seq)
+        new = [entry.request for entry in rows if not entry.admitted]
+        decay = 0.5 ** (1 / USAGE_HALFLIFE_STEPS)
+        self.usage = {who: used * decay for who, used in self.usage.items() if used * decay >= 1}
+        for entry in rows:
+            entry.admitted = True
+            self.tenant_served[entry.tenant] = self.num_steps
+            who = (entry.priority, entry.tenant)
+            self.usage[who] = self.usage.get(who, 0.0) + entry.tokens
+        self.current_key = rows[0].key
+        self.last_served[self.current_key] = self.num_steps
+        self.last_step_tokens = sum(entry.tokens for entry in rows)
+        self.batch_sizes[len(rows)] += 1
+        self.num_paused = sum(entry.admitted for entry in self.entries.values()) - len(rows)
+        self.num_paused_steps += self.num_paused
+        return DenoiseBatch(new_requests=new, request_ids=[entry.request.request_id for entry in rows],
+                            freed_ids=freed)
 
     def update_from_output(self, scheduler_output: DenoiseBatch, runner_output: DenoiseOutput) -> list[EngineCoreOutput]:
         outputs = [
@@ -75,54 +133,82 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         outputs += [EngineCoreOutput.failed(request_id, error) for request_id, error in runner_output.errors.items()]
         for output in outputs:
             if output.finished:
-                self.running[self.key_of[output.request_id]].remove(output.request_id)
-                self._forget(output.request_id)
+                self.entries.pop(output.request_id, None)
+        self._forget_idle_keys()
         return outputs
 
-    def batch_key(self, request: DenoiseRequest) -> BatchKey:
-        """Requests with equal keys may share a step (the request's own key: size, CFG mode, edit image size)."""
-        return request.batch_key
-
     def has_unfinished_requests(self) -> bool:
-        return bool(self.key_of)
+        return bool(self.entries)
 
     def has_finished_requests(self) -> bool:
         return bool(self.freed_ids)
 
-    def _pick_key(self) -> BatchKey | None:
-        """The current key while it has work and no other key has waited too long; else the longest-waiting key."""
-        keys = {key for key, ids in self.running.items() if ids} | {self.key_of[r.request_id] for r in self.waiting}
-        if not keys:
-            self.current_key = None
-            return None
+    # --- the rules ------------------------------------------------------------------------------------------------
+
+    def _plan(self, candidates: list[_Entry]) -> list[_Entry]:
+        """The step's rows among ``candidates``: one key, by urgency and tenant turns, within the budget."""
+        if not candidates:
+            return []
+        now = self.clock()
+        urgency = {id(entry): self._effective_priority(entry, now) for entry in candidates}
+        key = self._pick_key(candidates, urgency)
+        classes: dict[int, dict[str, deque[_Entry]]] = defaultdict(lambda: defaultdict(deque))
+        for entry in sorted((e for e in candidates if e.key == key),
+                            key=lambda e: (urgency[id(e)], not e.admitted, e.seq)):
+            classes[urgency[id(entry)]][entry.tenant].append(entry)  # dicts keep order: admitted, then oldest
+        rows: list[_Entry] = []
+        tokens = 0
+        taken: Counter[str] = Counter()  # tokens each tenant took in this step
+        for level in sorted(classes):
+            queues = classes[level]
+            while queues:
+                tenant = min(queues, key=lambda t: (self.usage.get((queues[t][0].priority, t), 0.0) + taken[t],
+                                                    self.tenant_served.get(t, -1)))
+                entry = queues[tenant][0]
+                if len(rows) >= self.max_batch_size or (
+                        rows and self.max_batch_tokens is not None and tokens + entry.tokens > self.max_batch_tokens):
+                    return rows
+                rows.append(queues[tenant].popleft())
+                tokens += entry.tokens
+                taken[tenant] += entry.tokens
+                if not queues[tenant]:
+                    del queues[tenant]
+        return rows
+
+    def _effective_priority(self, entry: _Entry, now: float) -> int:
+        if self.aging_s is None:
+            return entry.priority
+        return entry.priority - int((now - entry.arrived_at) // self.aging_s)
+
+    def _pick_key(self, candidates: list[_Entry], urgency: dict[int, int]) -> BatchKey:
+        """The current key while it holds the most urgent priority and no other key of that priority has waited
+        too long; else the key of that priority that waited longest."""
+        best = min(urgency.values())
+        keys = {entry.key for entry in candidates if urgency[id(entry)] == best}
         if self.current_key in keys:
             starving = [key for key in keys if key != self.current_key and self._waited(key) >= self.max_wait_steps]
             if not starving:
                 return self.current_key
-            keys = starving
-        self.current_key = min(keys, key=lambda key: (-self._waited(key), self._oldest(key)[1]))
-        return self.current_key
+            keys = set(starving)
+        return min(keys, key=lambda key: (-self._waited(key), self._oldest(key)[1]))
 
     def _waited(self, key: BatchKey) -> int:
         """Steps run without the key since it last ran, or since its oldest request arrived if that was later."""
         return self.num_steps - max(self.last_served.get(key, 0), self._oldest(key)[0])
 
     def _oldest(self, key: BatchKey) -> tuple[int, int]:
-        return min(self.arrived_at[rid] for rid, k in self.key_of.items() if k == key)
+        """(arrival step, arrival number) of the key's oldest request."""
+        return min((e.arrived_step, e.seq) for e in self.entries.values() if e.key == key)
 
-    def _admit(self, key: BatchKey, room: int) -> list[DenoiseRequest]:
-        admitted, kept = [], deque()
-        for request in self.waiting:
-            if self.key_of[request.request_id] == key and len(admitted) < room:
-                admitted.append(request)
-            else:
-                kept.append(request)
-        self.waiting = kept
-        return admitted
+    def _paused_after(self, rows: list[_Entry]) -> int:
+        """Admitted requests that would sit outside a step running ``rows``."""
+        return sum(entry.admitted for entry in self.entries.values()) + sum(not e.admitted for e in rows) - len(rows)
 
-    def _forget(self, request_id: str) -> None:
-        key = self.key_of.pop(request_id)
-        del self.arrived_at[request_id]
-        if key not in self.key_of.values():  # the key's last request: keep no trace of it
-            self.running.pop(key, None)
-            self.last_served.pop(key, None)
+    def _forget_idle_keys(self) -> None:
+        """Keeps no trace of keys and tenants without requests."""
+        keys = {entry.key for entry in self.entries.values()}
+        tenants = {entry.tenant for entry in self.entries.values()}
+        for key in [key for key in self.last_served if key not in keys]:
+            del self.last_served[key]
+        for tenant in [tenant for tenant in self.tenant_served if tenant not in tenants]:
+            del self.tenant_served[tenant]

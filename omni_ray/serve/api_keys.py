@@ -32,20 +32,23 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self._digests)
 
-    def check(self, authorization: str | None) -> None:
-        """Raises AuthenticationError (a 401) unless ``authorization`` (the header's value) is ``Bearer <key>`` with
-        one of the keys."""
+    def check(self, authorization: str | None) -> str | None:
+        """The matching key's name (``key0``, ``key1``: its place in the list, never the key), or None when the
+        server takes no keys. Raises AuthenticationError (a 401) unless ``authorization`` (the header's value) is
+        ``Bearer <key>`` with one of the keys."""
         if not self._digests:
-            return
+            return None
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise AuthenticationError("no API key: send it as the header `Authorization: Bearer <key>`")
         given = _digest(key.strip())
-        matched = False
-        for digest in self._digests:  # every key, whichever matches
-            matched |= hmac.compare_digest(given, digest)
-        if not matched:
+        matched = None
+        for index, digest in enumerate(self._digests):  # every key, whichever matches
+            if hmac.compare_digest(given, digest):
+                matched = index
+        if matched is None:
             raise AuthenticationError("incorrect API key provided")
+        return f"key{matched}"
 
 
 def _digest(key: str) -> bytes:

@@ -11,8 +11,10 @@ from ray.serve import Application
 
 from omni_ray import checkpoints
 from omni_ray.config import DeploymentConfig, load_config
+from omni_ray.serve.autoscaling import QueuedWorkPolicy
 from omni_ray.serve.coordinator import ServeCoordinator
 from omni_ray.serve.deployments import VAE, DiT, Encoder
+from omni_ray.serve.routing import router_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -33,12 +35,12 @@ def build_app(args: dict) -> Application:
     """Binds the coordinator to the three stage deployments, each built from its stage config."""
     app_args = AppArgs.model_validate(args)
     config = checkpoints.ensure(load_config(resolve_stage_config(app_args.stage_config), model=app_args.model))
-    encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
-    dit = stage_deployment(DiT, config.dit.deployment).bind(config)
-    vae = stage_deployment(VAE, config.vae.deployment).bind(config)
-    # A coordinator replica being replaced (a redeploy, a scale-down) finishes the requests it holds, which may run
-    # up to their deadline; a stage replica's calls that outlive Serve's default wait are issued again elsewhere.
+    # A coordinator or DiT replica being replaced (a redeploy, a scale-down) finishes the requests it holds, which
+    # may run up to their deadline; other stage replicas' calls that outlive Serve's default wait are issued again.
     drain = {"graceful_shutdown_timeout_s": config.requests.timeout_s}
+    encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
+    dit = stage_deployment(DiT, config.dit.deployment, request_router_config=router_config(), **drain).bind(config)
+    vae = stage_deployment(VAE, config.vae.deployment).bind(config)
     return stage_deployment(ServeCoordinator, config.coordinator, name="Coordinator", **drain).bind(
         encoder, dit, vae, config)
 
@@ -62,7 +64,11 @@ def deployment_options(options: DeploymentConfig) -> dict:
         "ray_actor_options": actor,
     }
     if options.autoscaling is not None:
-        result["autoscaling_config"] = options.autoscaling.model_dump()
+        scaling = options.autoscaling.model_dump(exclude={"target_queued_work_s"})
+        if options.autoscaling.target_queued_work_s is not None:
+            scaling["policy"] = {"policy_function": QueuedWorkPolicy,
+                                 "policy_kwargs": {"target_work_s": options.autoscaling.target_queued_work_s}}
+        result["autoscaling_config"] = scaling
     else:
         result["num_replicas"] = options.num_replicas or 1
     return result

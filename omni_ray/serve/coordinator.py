@@ -34,6 +34,9 @@ class _Metrics(Observer):
         metrics.request_latency.observe(seconds, tags=COORDINATOR)
         metrics.images_generated.inc(images, tags=COORDINATOR)
 
+    def estimated(self, seconds: float) -> None:
+        metrics.finish_estimate.observe(seconds, tags=COORDINATOR)
+
 
 class ClusterAdapters(AdapterStore):
     """The app's run-time adapters in the GCS's key-value store, which every replica reads and which outlives them

@@ -21,6 +21,7 @@ from ray import serve
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
+from omni_ray.engine.dit_load import DiTLoad
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.records import (
     Decoded,
@@ -71,6 +72,10 @@ class _EngineShim:
             if time.monotonic() - self.last_step_at >= period_s:
                 metrics.running_batch_size.set(0, tags=self.tags)
                 metrics.queue_length.set(self.engine.num_running, tags=self.tags)
+                self._idle_gauges()
+
+    def _idle_gauges(self) -> None:
+        """A stage's own gauges, set again while it does not step."""
 
     async def _run(self, request, what: str, timings: dict[str, float], timing: str = ""):
         """Runs one request in this engine: timed (into the result's ``timings``, as ``timing`` or the stage's
@@ -138,12 +143,20 @@ class Encoder(_EngineShim):
 
 
 class DiT(_EngineShim):
-    """The Qwen-Image transformer under the step-batching engine: embeddings to latents."""
+    """The Qwen-Image transformer under the step-batching engine: embeddings to latents.
+
+    It reports the work it holds in cost-seconds (``DiTLoad``): to Serve's router (``record_routing_stats``, read
+    by ``serve.routing.LeastWorkRouter``), to Serve's autoscaler (``record_autoscaling_stats``, read by
+    ``serve.autoscaling.QueuedWorkPolicy``), and to the coordinator, which asks ``estimate`` before it admits a
+    request."""
 
     stage = "dit"
 
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_dit_core(config))
+        scheduler = self.engine.core.scheduler
+        self.load = DiTLoad(self.engine.core.step_times, scheduler.max_batch_size, scheduler.max_batch_tokens,
+                            by_priority=scheduler.policy != "fifo")
         self.files = AdapterFiles(config.loras.values(), config.lora.roots)
         self.loras = LoraResidency(
             self.engine, config.dit.max_loras, self.files.read,
@@ -174,10 +187,40 @@ class DiT(_EngineShim):
         timings = {**encoded.timings, **(image_latents.timings if image_latents is not None else {})}
         if params.lora is not None:
             await self._route(params.lora.name)
-        async with self.loras.use(params.lora):
-            items = self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings)
-            async for item in write_step_stream(self._count_passes(items)):
-                yield item
+        self.load.add(request_id, params.priority, request.work_tokens, params.num_inference_steps)
+        try:
+            async with self.loras.use(params.lora):
+                items = self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings)
+                async for item in write_step_stream(self._count_passes(items)):
+                    if isinstance(item, StepDone):
+                        self.load.progress(request_id, item.step, item.total)
+                    yield item
+        finally:
+            self.load.remove(request_id)
+
+    async def estimate(self, priority: int, tokens: int, steps: int, images: int) -> float:
+        """Seconds until ``images`` new images of ``tokens`` work tokens and ``steps`` steps at ``priority`` would
+        be done on this replica (``DiTLoad.estimate``)."""
+        return self.load.estimate(priority, tokens, steps, images)
+
+    def record_routing_stats(self) -> dict:
+        """Serve's router reads it (``serve.routing.LeastWorkRouter``): the replica's work in cost-seconds, a
+        request's mean cost, and when it was said."""
+        return {"queued_work_s": self.load.seconds(), "request_s": self.load.request_s, "at": time.time()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaler reads it (``serve.autoscaling.QueuedWorkPolicy``)."""
+        return {"queued_work_s": self.load.seconds()}
+
+    def _record_step(self, seconds: float, batch: int, held: int) -> None:
+        super()._record_step(seconds, batch, held)
+        self._idle_gauges()
+
+    def _idle_gauges(self) -> None:
+        if not hasattr(self, "load"):  # the gauges' thread may wake before __init__ is done
+            return
+        metrics.queued_work.set(self.load.seconds(), tags=self.tags)
+        metrics.paused_requests.set(self.engine.core.scheduler.num_paused, tags=self.tags)
 
     async def _count_passes(self, items: AsyncIterator) -> AsyncIterator:
         async for item in items:
@@ -188,8 +231,10 @@ class DiT(_EngineShim):
             yield item
 
     def stats(self) -> dict:
-        """The engine's counters, and its steps by how many requests each advanced (the step-level batching)."""
+        """The engine's counters, its steps by how many requests each advanced (the step-level batching), and the
+        request-steps that admitted requests sat out, paused."""
         return {**super().stats(), "batch_sizes": self.engine.core.batch_sizes,
+                "paused_request_steps": self.engine.core.scheduler.num_paused_steps,
                 "loras": [name for name, _ in self.loras.resident], "lora_loads": self.loras.num_loads}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -38,7 +39,7 @@ from omni_ray.api.responses import (
 )
 from omni_ray.api.schema import ImageGenerationRequest, parse_request
 from omni_ray.config import PipelineConfig
-from omni_ray.errors import ForbiddenError, NotFoundError, OmniRayError, RequestError
+from omni_ray.errors import ForbiddenError, NotFoundError, OmniRayError, OverloadedError, RequestError
 from omni_ray.records import Decoded, OutputMode, TokenCount
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
 from omni_ray.serve import http
@@ -56,6 +57,7 @@ class Observer:
 
     def request_failed(self, err: OmniRayError) -> None: ...
     def request_done(self, seconds: float, images: int) -> None: ...
+    def estimated(self, seconds: float) -> None: ...
 
 
 class Coordinator:
@@ -96,18 +98,18 @@ class Coordinator:
 
     async def generations(self, request: Request) -> Response:
         with self._counting_errors():
-            self.authorize(request)
+            tenant = self.authorize(request)
             check_route(self.config, has_image=False)  # before the body: a wrong route is told which is right
             body = await http.json_body(request)
-        return await self.respond(await self.plan(body), request)
+        return await self.respond(await self.plan(body, tenant=tenant), request)
 
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
-            self.authorize(request)
+            tenant = self.authorize(request)
             check_route(self.config, has_image=True)  # before reading an upload the preset cannot use
             fields, image = await http.edit_form(request, http.MAX_BODY_BYTES + self.config.edit.max_image_bytes)
             body = parse_request(fields, form=True)
-        return await self.respond(await self.plan(body, image or b""), request)  # b"": "image: required"
+        return await self.respond(await self.plan(body, image or b"", tenant), request)  # b"": "image: required"
 
     async def page(self) -> HTMLResponse:
         """The try-it page: a form over the images API with live previews (serve/web)."""
@@ -212,16 +214,34 @@ class Coordinator:
         body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
         return Response(body, media_type="application/json", headers=headers)
 
-    async def plan(self, body: dict | ImageGenerationRequest, image: bytes | None = None) -> GenerationPlan:
-        """Validates before any stage sees the request; an edit's image is decoded and resized off the event loop,
-        a few at a time."""
+    async def plan(self, body: dict | ImageGenerationRequest, image: bytes | None = None, tenant: str | None = None
+                   ) -> GenerationPlan:
+        """Validates before any stage sees the request, and admits it when the DiT's queue can finish it before its
+        deadline; an edit's image is decoded and resized off the event loop, a few at a time. ``tenant`` (the
+        caller's API key's name) replaces the body's ``user`` as whom the DiT shares its steps between."""
         with self._counting_errors():
             pixels = None
             if image is not None and self.config.edit is not None:
                 async with self.image_slots:
                     pixels = await asyncio.to_thread(load_input_image, image, self.config)
-            return plan_request(body, self.config, self.count_tokens, pixels, await self._adapters_for(body),
+            plan = plan_request(body, self.config, self.count_tokens, pixels, await self._adapters_for(body),
                                 has_image=image is not None)
+            if tenant is not None:
+                plan = dataclasses.replace(plan, tenant=tenant)
+            await self._admit(plan)
+            return plan
+
+    async def _admit(self, plan: GenerationPlan) -> None:
+        """Refuses at once (503, Retry-After) a request that the DiT's queue would finish past its deadline, from
+        the replica's estimate of the work ahead of it (as urgent or more) and its own."""
+        estimate = await self.stages.estimate(plan)
+        if estimate is None:
+            return
+        self.observer.estimated(estimate)
+        if estimate > plan.timeout_s:
+            raise OverloadedError(
+                f"the DiT would finish this request in about {estimate:.0f} s, past its {plan.timeout_s:g} s deadline "
+                "(timeout)", retry_after_s=estimate - plan.timeout_s, stage="dit")
 
     async def _adapters_for(self, body: dict | ImageGenerationRequest) -> dict[str, str]:
         """The adapter the request's ``model`` names (name -> file), when it names one that exists; else every
@@ -237,9 +257,10 @@ class Coordinator:
             return {name: adapter.path}
         return {**self.config.loras, **{name: a.path for name, a in (await self.adapters.all()).items()}}
 
-    def authorize(self, request: Request) -> None:
-        """Raises AuthenticationError (401) unless the request carries one of the server's API keys."""
-        self.api_keys.check(request.headers.get("authorization"))
+    def authorize(self, request: Request) -> str | None:
+        """The name of the API key the request carries (None when the server takes none); raises
+        AuthenticationError (401) unless it carries one of the server's keys."""
+        return self.api_keys.check(request.headers.get("authorization"))
 
     def _check_runtime_updates(self) -> None:
         if not self.config.lora.allow_runtime_updates:

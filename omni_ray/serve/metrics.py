@@ -65,3 +65,19 @@ lora_loads = metrics.Counter(
     description="LoRA adapters a DiT replica put on its device: on first use, or again after it evicted them.",
     tag_keys=("stage", "adapter"),
 )
+queued_work = metrics.Gauge(
+    "omni_dit_queued_work_seconds",
+    description="Cost-seconds of the requests a DiT replica holds, queued and running: their remaining steps at the "
+    "replica's measured step times (what its routing and autoscaling read).",
+    tag_keys=("stage",),
+)
+paused_requests = metrics.Gauge(
+    "omni_dit_paused_requests", description="Admitted DiT requests the last step paused for more urgent ones.",
+    tag_keys=("stage",),
+)
+finish_estimate = metrics.Histogram(
+    "omni_finish_estimate_seconds",
+    description="The coordinator's estimate, as each request arrives, of the seconds the DiT would take to finish it "
+    "(requests past their deadline by it are refused with a 503).",
+    boundaries=LATENCY_BOUNDARIES, tag_keys=("stage",),
+)

@@ -11,6 +11,8 @@ object ``ray.put`` in a replica and yielded by reference can be freed before the
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,10 +22,13 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
+from omni_ray.api.planning import GenerationPlan
 from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageCall, StageLostError
 from omni_ray.records import Decoded, DenoiseParams, EncodeRequest, OutputMode
 from omni_ray.request_path import DenoiseEvent, Stages, read_step_stream
 from omni_ray.serve.ray_private import object_ref, object_ref_stream
+
+logger = logging.getLogger("ray.serve")
 
 # What losing a replica (or the node holding a result) looks like to a caller. Serve reports an input lost with
 # another replica as a RayServeException whose cause is the ActorDiedError.
@@ -75,6 +80,19 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle):
         self.encoder, self.vae = encoder, vae
         self.dit_calls, self.dit = dit, dit.options(stream=True)
+
+    async def estimate(self, plan: GenerationPlan, timeout_s: float = 1.0) -> float | None:
+        """The estimate of the DiT replica Serve's router would send the request to (the one with the least work,
+        ``serve.routing``); None when no replica answers within ``timeout_s`` (none is running, say): the request
+        is then admitted and waits as any other."""
+        response = self.dit_calls.estimate.remote(plan.request.priority, plan.work_tokens, plan.num_inference_steps,
+                                                  plan.request.n)
+        try:
+            return await asyncio.wait_for(_result(response), timeout_s)
+        except Exception as err:
+            cancel(response)
+            logger.warning("no estimate from the DiT (%s: %s): the request is admitted", type(err).__name__, err)
+            return None
 
     async def check_lora(self, path: str) -> str:
         """A DiT replica's ``check_lora``: the resolved path, or RequestError naming ``lora_path``."""
@@ -129,6 +147,10 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
 
     def cancel(self, handle: DeploymentResponse) -> None:
         cancel(handle)
+
+
+async def _result(response: DeploymentResponse):
+    return await response
 
 
 async def _fetch(ref: ray.ObjectRef):

@@ -1,0 +1,81 @@
+"""The DiT's load figures (step times learned from its steps, work in cost-seconds, finish estimates) and what reads
+them in Serve: the least-work router's order and the autoscaling policy. No model, no cluster."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from omni_ray.engine.dit_load import DiTLoad, StepTimes
+from omni_ray.serve.autoscaling import QueuedWorkPolicy
+from omni_ray.serve.routing import LeastWorkRouter
+
+
+def test_step_times_learn_the_overhead_and_the_cost_per_token_from_the_steps_run():
+    times = StepTimes()
+    for tokens in (1000, 2000, 4000, 1000, 3000):
+        times.observe(tokens, 0.07 + 2e-5 * tokens)
+    overhead, per_token = times.fit
+    assert overhead == pytest.approx(0.07, rel=1e-6) and per_token == pytest.approx(2e-5, rel=1e-6)
+    times.observe(2000, 30.0)  # a step that compiled: left out
+    assert times.seconds(2000) == pytest.approx(0.11, rel=1e-6)
+    one_size = StepTimes()
+    one_size.observe(500, 0.5)
+    assert one_size.fit == (0.0, 0.001)  # one size seen: proportional
+
+
+def test_work_counts_remaining_steps_at_the_depth_each_key_batches_and_estimates_by_priority():
+    times = StepTimes()
+    times.observe(1000, 0.1 + 1e-4 * 1000)
+    times.observe(3000, 0.1 + 1e-4 * 3000)
+    load = DiTLoad(times, max_batch_size=8, max_batch_tokens=4000)
+    assert load.row_seconds(2000) == pytest.approx(0.1 / 2 + 0.2)  # two rows of 2000 tokens fit a step
+    assert load.row_seconds(8000) == pytest.approx(0.1 + 0.8)  # alone in its step
+    load.add("batch", priority=1, tokens=8000, steps=50)
+    load.add("urgent", priority=0, tokens=2000, steps=20)
+    load.progress("batch", 10, 50)
+    assert load.seconds() == pytest.approx(40 * 0.9 + 20 * 0.25)
+    # A priority-0 request waits only for priority-0 work (it pauses the rest); a priority-1 one for both.
+    assert load.estimate(priority=0, tokens=2000, steps=20) == pytest.approx(2 * 20 * 0.25)
+    assert load.estimate(priority=1, tokens=2000, steps=20, images=2) == pytest.approx(36 + 5 + 2 * 5)
+    load.remove("batch")
+    load.remove("urgent")
+    assert load.seconds() == 0
+    fifo = DiTLoad(times, max_batch_size=8, max_batch_tokens=4000, by_priority=False)
+    fifo.add("batch", priority=1, tokens=8000, steps=50)
+    assert fifo.estimate(priority=0, tokens=2000, steps=20) == pytest.approx(45 + 5)  # FIFO: everything is ahead
+    assert DiTLoad(StepTimes(), 8, None).estimate(0, 2000, 20) == 0  # nothing learned yet: refuses nothing
+
+
+def replica(name, work, at=1.0, request_s=2.0):
+    return SimpleNamespace(replica_id=name, routing_stats={"queued_work_s": work, "at": at, "request_s": request_s})
+
+
+def bare_router(replicas):
+    """The router's own logic on fake replicas: Serve's constructor (a controller and handles) is not the subject."""
+    router = LeastWorkRouter.__new__(LeastWorkRouter)
+    router.initialize_state()
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda replica_id: None)
+    router._replicas = {r.replica_id: r for r in replicas}
+    return router
+
+
+def test_the_router_ranks_replicas_by_work_counting_calls_sent_since_their_last_report():
+    busy, idle, middle = replica("busy", 30.0), replica("idle", 1.0), replica("middle", 6.0)
+    router = bare_router([busy, idle, middle])
+    ranks = asyncio.run(router.choose_replicas([busy, idle, middle]))
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["idle"], ["middle"], ["busy"]]
+    denoise = SimpleNamespace(metadata=SimpleNamespace(call_method="denoise", multiplexed_model_id=""))
+    for _ in range(3):  # three denoise calls to "idle" since its report: 1 + 3 x 2 s of work
+        router.on_request_routed(denoise, "idle", None)
+    assert [r.replica_id for [r] in asyncio.run(router.choose_replicas([busy, idle, middle], denoise))] == [
+        "middle", "idle", "busy"]
+    idle.routing_stats = {"queued_work_s": 1.0, "at": 2.0, "request_s": 2.0}  # a new report counts them itself
+    assert router._work(idle) == (1.0, 0)
+
+
+def test_the_autoscaling_policy_asks_for_the_work_over_its_target():
+    policy = QueuedWorkPolicy(target_work_s=20)
+    context = SimpleNamespace(aggregated_metrics={"queued_work_s": {"a": 35.0, "b": 25.0}}, target_num_replicas=2)
+    assert policy(context) == (3.0, {})
+    assert policy(SimpleNamespace(aggregated_metrics={}, target_num_replicas=2)) == (2, {})
