@@ -240,6 +240,16 @@ def test_waiting_ages_a_request_up_a_priority_level_every_aging_period_so_nothin
         stepped += run(scheduler, runner, 1)
     # At 20 s "batch" has waited two periods: priority 0 as the urgent request of 20 s, and older, so it runs first.
     assert stepped[:6] == [["urgent0"], ["urgent5"], ["urgent10"], ["urgent15"], ["batch"], ["urgent20"]]
+    # Waiting behind requests as urgent as itself ages nothing: a flood of batch work never outranks an urgent request.
+    clock.now = 0
+    flood = DiTScheduler(max_batch_size=1, max_wait_steps=100, aging_s=10, clock=clock)
+    for i in range(3):
+        flood.add_request(request(f"batch{i}", 5, priority=1))
+    for _ in range(6):
+        clock.now += 100
+        run(flood, runner, 1)
+    flood.add_request(request("urgent", 1))
+    assert run(flood, runner, 2) == [["urgent"], ["batch1"]]
 
 
 def test_no_new_request_is_admitted_while_more_than_max_paused_would_sit_out():

@@ -4,8 +4,9 @@ Every ``schedule()`` picks one batch key (image size, true CFG on or off, an edi
 of that key the step runs. Admitted requests keep their state in the runner, so any of them can sit out a step and
 go on later from where it was: that is how keys take turns, and how a request is paused.
 
-- **Key.** The key of the most urgent request: the lowest effective priority wins (``priority``, less one level
-  per ``aging_s`` seconds waited, so nothing starves). Among keys holding that priority the DiT stays on its current
+- **Key.** The key of the most urgent request: the lowest effective priority wins: ``priority``, less one level for
+  every ``aging_s`` seconds the request sat out steps that ran more urgent requests, so nothing starves behind a
+  flood of more urgent work (waiting behind requests as urgent as itself ages nothing: there, turns are fair). Among keys holding that priority the DiT stays on its current
   key until another has waited ``max_wait_steps`` steps, then switches to the one that waited longest.
 - **Rows.** The key's requests by effective priority; within a priority, each row goes to the tenant that has used
   the DiT least lately at that priority (its rows' tokens over recent steps, ``USAGE_HALFLIFE_STEPS``, plus those it
@@ -46,8 +47,8 @@ class _Entry:
     tenant: str
     arrived_step: int  # steps run before it arrived
     seq: int  # arrival number
-    arrived_at: float  # the scheduler's clock
     admitted: bool = False  # the runner holds its state
+    starved_s: float = 0.0  # time it sat out steps that ran more urgent requests
 
 
 class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
@@ -73,6 +74,8 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self.num_arrivals = 0
         self.last_step_tokens = 0  # work tokens of the step last scheduled
         self.batch_sizes: Counter[int] = Counter()  # requests per step -> steps run with that many
+        self.passed_over: list[_Entry] = []  # sat out the last step, which ran more urgent requests
+        self.last_step_at: float | None = None  # the clock when the last step was scheduled
         self.num_paused = 0  # admitted requests the last step did not run
         self.num_paused_steps = 0  # request-steps admitted requests sat out
 
@@ -84,7 +87,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         params = request.params
         self.entries[request.request_id] = _Entry(
             request, request.batch_key, request.work_tokens, 0 if fifo else params.priority,
-            "" if fifo else params.tenant, self.num_steps, self.num_arrivals, self.clock())
+            "" if fifo else params.tenant, self.num_steps, self.num_arrivals)
         self.num_arrivals += 1
 
     def finish_requests(self, request_ids: list[str]) -> None:
@@ -96,6 +99,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
 
     def schedule(self) -> DenoiseBatch:
         freed, self.freed_ids = self.freed_ids, []
+        self._age()
         rows = self._plan(list(self.entries.values()))
         if self.max_paused is not None and self._paused_after(rows) > self.max_paused:
             rows = self._plan([e for e in self.entries.values() if e.admitted])  # the queue waits instead
@@ -105,6 +109,10 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
             self.last_step_tokens = self.num_paused = 0
             return DenoiseBatch(new_requests=[], request_ids=[], freed_ids=freed)
         rows.sort(key=lambda entry: entry.seq)
+        if self.aging_s is not None:
+            most_urgent = min(entry.priority for entry in rows)
+            ran = {id(entry) for entry in rows}
+            self.passed_over = [e for e in self.entries.values() if e.priority > most_urgent and id(e) not in ran]
         new = [entry.request for entry in rows if not entry.admitted]
         decay = 0.5 ** (1 / USAGE_HALFLIFE_STEPS)
         self.usage = {who: used * decay for who, used in self.usage.items() if used * decay >= 1}
@@ -149,8 +157,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         """The step's rows among ``candidates``: one key, by urgency and tenant turns, within the budget."""
         if not candidates:
             return []
-        now = self.clock()
-        urgency = {id(entry): self._effective_priority(entry, now) for entry in candidates}
+        urgency = {id(entry): self._effective_priority(entry) for entry in candidates}
         key = self._pick_key(candidates, urgency)
         classes: dict[int, dict[str, deque[_Entry]]] = defaultdict(lambda: defaultdict(deque))
         for entry in sorted((e for e in candidates if e.key == key),
@@ -175,10 +182,18 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
                     del queues[tenant]
         return rows
 
-    def _effective_priority(self, entry: _Entry, now: float) -> int:
+    def _age(self) -> None:
+        """Adds the time since the last step to the requests that step passed over for more urgent ones."""
+        now = self.clock()
+        if self.last_step_at is not None:
+            for entry in self.passed_over:
+                entry.starved_s += now - self.last_step_at
+        self.last_step_at, self.passed_over = now, []
+
+    def _effective_priority(self, entry: _Entry) -> int:
         if self.aging_s is None:
             return entry.priority
-        return entry.priority - int((now - entry.arrived_at) // self.aging_s)
+        return entry.priority - int(entry.starved_s // self.aging_s)
 
     def _pick_key(self, candidates: list[_Entry], urgency: dict[int, int]) -> BatchKey:
         """The current key while it holds the most urgent priority and no other key of that priority has waited
