@@ -19,7 +19,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GPU machines take the CUDA build of vLLM; every other machine the CPU build.
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install test serve bench clean chromium
+.PHONY: install test serve bench clean chromium wheelhouse
 
 install: $(STAMP) $(TINY_DIR)/model_index.json chromium
 
@@ -69,3 +69,12 @@ bench: install
 	$(PY) -m benchmarks.dit_cache
 	$(PY) -m benchmarks.scale
 	$(PY) -m benchmarks.lora
+
+# An offline install bundle for our GPU machine (CPython 3.12, glibc 2.28 or newer) in wheelhouse/, as parts of at
+# most 60 MiB; tools/wheelhouse.py explains it. HAVE=FILE: that machine's `pip list --format=freeze`, whose packages
+# are then left out.
+HAVE ?=
+wheelhouse: install
+	rm -rf wheelhouse
+	$(PY) tools/wheelhouse.py build --out wheelhouse --python-version 3.12 --platform manylinux_2_28_x86_64 \
+		$(if $(HAVE),--have $(HAVE))

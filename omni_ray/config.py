@@ -131,7 +131,16 @@ class _StageConfig(_Frozen):
 
 
 class EncoderConfig(_StageConfig):
-    """The text (and vision) encoder stage: Qwen2.5-VL under vLLM's engine core."""
+    """The text (and vision) encoder stage: Qwen2.5-VL under vLLM's engine core, or transformers where vLLM has no
+    build."""
+
+    runner: Literal["model", "transformers", "simulated"] = Field(
+        "model",
+        description="model: Qwen2.5-VL under vLLM's engine core (continuous batching; the default). transformers: "
+        "Qwen2.5-VL through transformers in omni-ray's encoder core, for platforms without a vLLM build "
+        "(omni_ray/runners/transformers_encoder.py; same embeddings, slower). simulated: compute nothing, wait as "
+        "long as the stage would take on a GPU (omni_ray.runners.gpu_costs).",
+    )
 
     max_num_seqs: PositiveInt = Field(8, description="Most prompts the encoder batches in one engine step.")
     max_model_len: PositiveInt = Field(
@@ -195,8 +204,9 @@ class DiTConfig(_StageConfig):
         "memory); past it new requests wait in the queue instead of being admitted.",
     )
     priority_aging_s: float = Field(
-        60.0, gt=0, description="A waiting request's priority improves by one level for every this many seconds it "
-        "has waited, so that no request starves.",
+        120.0, gt=0, description="A request's priority improves by one level for every this many seconds it sat out "
+        "steps that ran more urgent requests, so that none starves behind a flood of more urgent work; waiting behind "
+        "requests as urgent as itself does not age it.",
     )
     cache: CacheSettings | None = Field(
         None, description="Cache acceleration for requests that do not set `cache`; unset, off. A request's own "

@@ -5,10 +5,12 @@ estimated peak memory of one replica must fit ``deployment.num_gpus`` of that GP
 full size (the shipped configs' parameter counts) at the stage's dtype, plus what the stage's settings add, with
 the per-image activation figures measured on an H100 (benchmarks/results/gpu.json, bf16):
 
-- DiT: 1.2 GiB per request in a step at 1328x1328 with true CFG, linear in pixels, times ``dit.max_batch_size``;
+- DiT: 1.2 GiB per request in a step at 1328x1328 with true CFG, linear in pixels, times the requests a step holds
+  at the largest size (``dit.max_batch_size``, or fewer where ``dit.max_batch_tokens`` binds);
 - VAE: 4.0 GiB per megapixel decoded (7.0 GiB at 1328x1328), times ``vae.max_batch_size``;
-- encoder: the language model's weights (and the vision tower's for edits), the preset's KV cache, and 2 GiB of
-  activations and workspace;
+- encoder: the language model's weights (and the vision tower's for edits, or always on the transformers runner),
+  vLLM's KV cache (``kv_cache_memory_bytes``; none on the transformers runner), and 2 GiB of activations and
+  workspace;
 - every stage: 1 GiB for the CUDA context and the allocator's slack.
 
 The largest image is ``requests.max_side`` squared. These are estimates, not guarantees: they refuse what cannot
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_ray.qwen_image import PUBLISHED_PARAMS, VISION_PARAMS
+from omni_ray.qwen_image import PUBLISHED_PARAMS, VISION_PARAMS, dit_work_tokens
 
 GIB = 1 << 30
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,14 +54,16 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
             continue
         width = BYTES_PER_PARAM[stage.dtype]
         if name == "encoder":
-            params = PUBLISHED_PARAMS["text_encoder"] - (0 if config.edit is not None else VISION_PARAMS)
-            extra = stage.kv_cache_memory_bytes / GIB + ENCODER_ACTIVATIONS_GIB
+            vllm = stage.runner == "model"  # transformers loads the vision tower always, and keeps no KV cache
+            params = PUBLISHED_PARAMS["text_encoder"] - (VISION_PARAMS if vllm and config.edit is None else 0)
+            extra = (stage.kv_cache_memory_bytes / GIB if vllm else 0) + ENCODER_ACTIVATIONS_GIB
             detail = f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
         elif name == "dit":
             params = PUBLISHED_PARAMS["transformer"]
-            extra = stage.max_batch_size * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2
+            rows = dit_rows_at(config, side)
+            extra = rows * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2
             detail = (f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB for "
-                      f"{stage.max_batch_size} requests at {side}x{side}")
+                      f"{rows} request{'s' if rows != 1 else ''} at {side}x{side}")
         else:
             params = PUBLISHED_PARAMS["vae"]
             extra = stage.max_batch_size * VAE_GIB_PER_MEGAPIXEL * pixels / 1e6
@@ -70,11 +74,22 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
     return out
 
 
+def dit_rows_at(config, side: int) -> int:
+    """Requests of ``side`` x ``side`` with true CFG one DiT step may hold: ``max_batch_size``, fewer where
+    ``max_batch_tokens`` binds (the first row always runs)."""
+    dit = config.dit
+    if dit.max_batch_tokens is None:
+        return dit.max_batch_size
+    tokens = dit_work_tokens(side, side, config.encoder.max_sequence_length, true_cfg=True)
+    return max(1, min(dit.max_batch_size, dit.max_batch_tokens // tokens))
+
+
 def check_placement(config) -> None:
     """Raises ValueError naming the field when a stage cannot fit its GPU share (with ``gpu_memory_gib`` set), or
     when a vLLM encoder on part of a GPU would claim more of it than its share."""
     encoder = config.encoder
-    if encoder.device.startswith("cuda") and encoder.gpu_memory_utilization > encoder.deployment.num_gpus:
+    if (encoder.runner == "model" and encoder.device.startswith("cuda")
+            and encoder.gpu_memory_utilization > encoder.deployment.num_gpus):
         raise ValueError(
             f"encoder.gpu_memory_utilization ({encoder.gpu_memory_utilization}) exceeds the encoder's share of its "
             f"GPU (encoder.deployment.num_gpus: {encoder.deployment.num_gpus}): vLLM would claim memory the stages "

@@ -33,6 +33,7 @@ from omni_ray.records import DenoiseParams, PromptEmbeds
 from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner, DenoiseState
 from omni_ray.runners.tokenizer import PromptTokenizer, to_prompt_embeds
+from omni_ray.runners.transformers_encoder import last_hidden_states
 
 
 class UnfusedDenoiseRunner(DenoiseRunner):
@@ -139,36 +140,13 @@ class TransformersTextEncoder:
         self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, subfolder="text_encoder", dtype=dtype)
         self.model.to(self.device).eval()
 
-    @torch.no_grad()
     def __call__(
         self, token_ids: list[list[int]], pad_token_id: int, vision: dict[str, torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
-        """Returns each sequence's last hidden state, ``[num_tokens_i, hidden]``.
-
-        With ``vision`` (one image's ``pixel_values`` and ``image_grid_thw``), the one sequence holds that image's
-        tokens already expanded.
-        """
-        assert vision is None or len(token_ids) == 1, "one sequence per image"
-        max_len = max(len(ids) for ids in token_ids)
-        input_ids = torch.full((len(token_ids), max_len), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(token_ids), max_len), dtype=torch.long)
-        for row, ids in enumerate(token_ids):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention_mask[row, : len(ids)] = 1
-        vision = {name: value.to(self.device) for name, value in (vision or {}).items()}
-        if vision:
-            vision["pixel_values"] = vision["pixel_values"].to(self.model.dtype)
-            # Which tokens are the image's: transformers 5 places M-RoPE's 2D positions by these (without them it
-            # falls back to 1D positions, which is what diffusers 0.42's edit pipeline gets).
-            vision["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).long().to(self.device)
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            output_hidden_states=True,
-            **vision,
-        )
-        hidden = out.hidden_states[-1]
-        return [hidden[row, : len(ids)] for row, ids in enumerate(token_ids)]
+        """Returns each sequence's last hidden state, ``[num_tokens_i, hidden]``: the encoder stage's own forward
+        (``runners.transformers_encoder.last_hidden_states``). With ``vision`` (one image's ``pixel_values`` and
+        ``image_grid_thw``), the one sequence holds that image's tokens already expanded."""
+        return last_hidden_states(self.model, token_ids, pad_token_id, vision)
 
 
 class PromptEncoder:

@@ -13,6 +13,7 @@ from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from omni_ray.api.images import load_input_image
 from omni_ray.config import load_config
+from omni_ray.engine.builders import build_encoder_core
 from omni_ray.pipeline import Pipeline
 from omni_ray.qwen_image import EDIT
 from omni_ray.records import EncodeRequest
@@ -67,6 +68,27 @@ def test_vision_embeddings_match_transformers_qwen2_5_vl(pipeline, config, edit_
             image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
             assert image_tokens > 10 and got.embeds.shape == expected.shape
             assert (got.embeds - expected).abs().max().item() < 1e-4, (request.request_id, part)
+
+
+def test_the_transformers_runner_gives_vllm_s_vision_embeddings(pipeline, config):
+    """``encoder.runner: transformers`` on the edit path: each sequence with its image alone, the placeholder expanded
+    to the image's tokens, within float tolerance of vLLM's embeddings."""
+    core = build_encoder_core(config.model_copy(update={"encoder": config.encoder.model_copy(
+        update={"runner": "transformers"})}))
+    images = {name: working_image(config, name) for name in SOURCES}
+    requests = [EncodeRequest("wide", "make the disc blue", "blurry", images["wide"]),
+                EncodeRequest("tall", "an oil painting", None, images["tall"])]
+    ours, steps = encode_all(core, requests)
+    assert steps == 3  # one sequence with an image a step
+    vllm, _ = encode_all(pipeline.stages.encoder.core, [EncodeRequest(f"v{r.request_id}", r.prompt, r.negative_prompt,
+                                                                      r.image) for r in requests])
+    for request in requests:
+        for part in ("prompt", "negative"):
+            got, expected = getattr(ours[request.request_id], part), getattr(vllm[f"v{request.request_id}"], part)
+            assert (got is None) == (expected is None)
+            if got is not None:
+                assert got.embeds.shape == expected.embeds.shape and got.embeds.shape[0] > 10
+                assert (got.embeds - expected.embeds).abs().max().item() < 1e-4, (request.request_id, part)
 
 
 def test_engine_edits_match_diffusers_within_one_level(pipeline, config, edit_dir):

@@ -9,6 +9,7 @@ from conftest import REPO, encode_all
 from diffusers import QwenImagePipeline
 
 from omni_ray.config import load_config
+from omni_ray.engine.builders import build_encoder_core
 from omni_ray.pipeline import Pipeline
 from omni_ray.records import EncodeRequest
 
@@ -49,6 +50,29 @@ def test_embeddings_match_diffusers_encode_prompt(pipeline, reference):
         else:
             negative, _ = reference.encode_prompt("blurry", device="cpu")
             assert (got.negative.embeds - negative[0]).abs().max().item() < 1e-4
+
+
+def test_the_transformers_runner_gives_vllm_s_embeddings(pipeline, config):
+    """``encoder.runner: transformers`` under the same engine core: the prompts batched (right-padded, masked), the
+    same template and token drop, within float tolerance of vLLM's embeddings."""
+    transformers_config = config.model_copy(update={"encoder": config.encoder.model_copy(
+        update={"runner": "transformers", "max_num_seqs": 4})})
+    core = build_encoder_core(transformers_config)
+    requests = [EncodeRequest(f"t{i}", p, "blurry" if i % 2 else None) for i, p in enumerate(PROMPTS)]
+    ours, steps = encode_all(core, requests)
+    assert steps == 2  # six sequences, four a step
+    vllm, _ = encode_all(pipeline.stages.encoder.core, [EncodeRequest(f"v{r.request_id}", r.prompt, r.negative_prompt)
+                                                         for r in requests])
+    for request in requests:
+        got, expected = ours[request.request_id], vllm[f"v{request.request_id}"]
+        assert got.prompt.embeds.shape == expected.prompt.embeds.shape
+        assert (got.prompt.embeds - expected.prompt.embeds).abs().max().item() < 1e-4
+        assert (got.negative is None) == (expected.negative is None)
+        if got.negative is not None:
+            assert (got.negative.embeds - expected.negative.embeds).abs().max().item() < 1e-4
+    core.add_request(EncodeRequest("gone", "a red cat", "blurry"))
+    core.abort_requests(["gone"])
+    assert not core.has_unfinished_requests() and core.step() == [] and not core.encoder.waiting
 
 
 def test_abort_before_the_step_leaves_nothing(pipeline):

@@ -53,6 +53,32 @@ def test_a_placement_that_cannot_fit_is_refused_naming_the_field(breakage, field
         parse_config(preset)
 
 
+@pytest.mark.parametrize("name", ["qwen_image_one_gpu.yaml", "qwen_image_one_gpu_dummy.yaml"])
+def test_the_one_gpu_presets_fit_all_three_stages_on_one_80_gb_gpu(name):
+    import yaml
+
+    from omni_ray.config import ConfigError, parse_config
+    from omni_ray.placement import stage_memory
+
+    preset = yaml.safe_load((REPO / "stage_configs" / name).read_text())
+    config = parse_config(preset)
+    estimates = stage_memory(config, config.gpu_memory_gib)
+    assert [e.stage for e in estimates] == ["encoder", "dit", "vae"] and all(e.fits for e in estimates)
+    assert sum(getattr(config, s).deployment.num_gpus for s in ("encoder", "dit", "vae")) <= 1
+    assert sum(e.need_gib for e in estimates) <= 80
+    with_transformers = {**preset, "encoder": {**preset["encoder"], "runner": "transformers"}}
+    assert all(e.fits for e in stage_memory(parse_config(with_transformers), 80))
+    overfull = [
+        ({"requests": {**preset["requests"], "max_side": 2048}}, "vae.deployment.num_gpus"),  # 17 GiB a decode
+        ({"dit": {k: v for k, v in preset["dit"].items() if k != "max_batch_tokens"}},  # 8 rows at 1664x1664
+         "dit.deployment.num_gpus"),
+        ({"encoder": {**preset["encoder"], "kv_cache_memory_bytes": 8 << 30}}, "encoder.deployment.num_gpus"),
+    ]
+    for change, field in overfull:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            parse_config({**preset, **change})
+
+
 def test_the_shipped_configs_are_qwen_image_s_in_diffusers_layout():
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoConfig

@@ -13,16 +13,20 @@ from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 from omni_ray.runners.tokenizer import PromptTokenizer
+from omni_ray.runners.transformers_encoder import TransformersEncoder
 from omni_ray.runners.vllm_encoder import VllmEncoder
 
 
 def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
-    """vLLM's engine core on the text encoder (with its vision tower for edits), or the simulated encoder. vLLM binds
-    threads for its whole process: give it its own."""
+    """vLLM's engine core on the text encoder (with its vision tower for edits), or transformers' Qwen2.5-VL, or the
+    simulated encoder, under the encoder's core. vLLM binds threads for its whole process: give it its own."""
     stage = config.encoder
     tokenizer = PromptTokenizer(config.model, config.prompt_template)
     if stage.runner == "simulated":
         encoder = SimulatedEncoder(getattr(torch, stage.dtype), stage.max_num_seqs)
+    elif stage.runner == "transformers":
+        encoder = TransformersEncoder(config.model, tokenizer, getattr(torch, stage.dtype), stage.device,
+                                      stage.max_num_seqs, dummy=config.weights == "dummy")
     else:
         encoder = VllmEncoder(
             config.model,

@@ -1,0 +1,97 @@
+"""The encoder stage's forward pass without vLLM: Qwen2.5-VL through transformers (``encoder.runner:
+transformers``), for platforms vLLM has no build for.
+
+It stands where ``VllmEncoder`` stands, under the same engine core (``engine.encoder_core``): token ids (and for an
+edit an image) in, each token's last hidden state out. Each step runs up to ``max_num_seqs`` queued text sequences as
+one right-padded batch with an attention mask, as diffusers' ``encode_prompt`` runs them, or one sequence with an
+image alone, its placeholder expanded to the image's tokens, as diffusers' edit pipeline runs each prompt with its
+image. It is slower than vLLM (no continuous batching, padding) and holds the vision tower even for text to image,
+but needs nothing beyond transformers: pick it where vLLM cannot be installed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omni_ray.runners.tokenizer import PromptTokenizer
+
+
+@dataclass(slots=True)
+class _Sequence:
+    token_ids: list[int]
+    image: np.ndarray | None
+
+
+class TransformersEncoder:
+    def __init__(self, model: str, tokenizer: PromptTokenizer, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", max_num_seqs: int = 8, dummy: bool = False):
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        from omni_ray.runners.random_weights import random_model
+        from omni_ray.runners.vllm_encoder import local_subfolder
+
+        path = local_subfolder(model, "text_encoder")
+        if dummy:
+            self.model = random_model(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig.from_pretrained(path),
+                                      dtype, device)
+        else:
+            self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.waiting: OrderedDict[str, _Sequence] = OrderedDict()
+
+    def add(self, sequence_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None:
+        self.waiting[sequence_id] = _Sequence(token_ids, image)
+
+    def abort(self, sequence_ids: list[str]) -> None:
+        for sequence_id in sequence_ids:
+            self.waiting.pop(sequence_id, None)
+
+    def step(self) -> dict[str, torch.Tensor]:
+        """Runs the oldest sequence with an image alone, or up to ``max_num_seqs`` text sequences together."""
+        if not self.waiting:
+            return {}
+        first_id, first = next(iter(self.waiting.items()))
+        if first.image is not None:
+            del self.waiting[first_id]
+            count = self.tokenizer.image_tokens(*first.image.shape[:2])
+            ids = self.tokenizer.expand_image(first.token_ids, count)
+            vision = self.tokenizer.vision_inputs(first.image)
+            return {first_id: last_hidden_states(self.model, [ids], self.tokenizer.pad_token_id, vision)[0]}
+        batch = [sid for sid, sequence in self.waiting.items() if sequence.image is None][: self.max_num_seqs]
+        sequences = [self.waiting.pop(sid) for sid in batch]
+        hidden = last_hidden_states(self.model, [s.token_ids for s in sequences], self.tokenizer.pad_token_id)
+        return dict(zip(batch, hidden))
+
+    def shutdown(self) -> None:
+        self.waiting.clear()
+
+
+@torch.no_grad()
+def last_hidden_states(model, token_ids: list[list[int]], pad_token_id: int,
+                       vision: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Each sequence's last hidden state ``[num_tokens_i, hidden]`` from transformers' Qwen2.5-VL, the sequences run
+    as one right-padded batch with an attention mask. With ``vision`` (one image's ``pixel_values`` and
+    ``image_grid_thw``) the one sequence holds that image's tokens, already expanded."""
+    assert vision is None or len(token_ids) == 1, "one sequence per image"
+    device = model.device
+    max_len = max(len(ids) for ids in token_ids)
+    input_ids = torch.full((len(token_ids), max_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(token_ids), max_len), dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+    vision = {name: value.to(device) for name, value in (vision or {}).items()}
+    if vision:
+        vision["pixel_values"] = vision["pixel_values"].to(model.dtype)
+        # Which tokens are the image's: transformers 5 places M-RoPE's 2D positions by these (without them it falls
+        # back to 1D positions, which is what diffusers 0.42's edit pipeline gets).
+        vision["mm_token_type_ids"] = (input_ids == model.config.image_token_id).long().to(device)
+    out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True,
+                **vision)
+    hidden = out.hidden_states[-1]
+    return [hidden[row, : len(ids)] for row, ids in enumerate(token_ids)]
