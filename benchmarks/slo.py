@@ -255,7 +255,7 @@ def ramp_run(scale: float, seed: int) -> dict:
     from ray import serve
 
 
-    autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_queued_work_s": 15, "look_back_period_s": 5,
+    autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_queued_work_s": 15, "look_back_period_s": 12,
                    "upscale_delay_s": 3, "downscale_delay_s": 20}
     period = 360 * scale
     peak = 1.36  # twice one replica's interactive capacity
