@@ -3,11 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.records import DecodeRequest, Latents
 from omni_ray.runners.decode import VaeRunner
+from omni_ray.runners.packing import pack_latents, unpack_latents
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,33 @@ def test_out_of_memory_for_one_request_is_a_503_for_it_alone(decoder, monkeypatc
     assert isinstance(outputs["large"].error, OverloadedError) and outputs["large"].error.status_code == 503
     assert "out of memory" in str(outputs["large"].error)
     assert outputs["small"].pooling_output.pixels.shape == (64, 64, 3)
+
+
+@pytest.mark.parametrize("batch,height,width", [(1, 64, 64), (3, 64, 96), (2, 256, 256)])
+def test_single_frame_vae_is_diffusers_vae_within_one_level(decoder, tiny_dir, batch, height, width):
+    """The VAE runs as 2-D convolutions on one frame (runners/vae_frame.py): its pixels are diffusers'
+    ``AutoencoderKLQwenImage.decode`` within one level and its latents diffusers' encode within float rounding."""
+    from diffusers import AutoencoderKLQwenImage
+
+    reference = AutoencoderKLQwenImage.from_pretrained(tiny_dir, subfolder="vae").eval()
+    items = [latents(seed, height, width) for seed in range(batch)]
+    packed = torch.stack([item.latents for item in items])
+    unpacked = unpack_latents(packed, height, width)
+    z_dim = reference.config.z_dim
+    mean = torch.tensor(reference.config.latents_mean).view(1, z_dim, 1, 1, 1)
+    std = torch.tensor(reference.config.latents_std).view(1, z_dim, 1, 1, 1)
+    with torch.inference_mode():
+        sample = reference.decode(unpacked * std + mean).sample  # [B, 3, 1, H, W] in [-1, 1]
+    expected = ((sample[:, :, 0].permute(0, 2, 3, 1) / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    pixels = decoder.decode(items)
+    assert pixels.shape == expected.shape and expected.std() > 10
+    assert np.abs(pixels.astype(int) - expected.astype(int)).max() <= 1
+
+    images = list(pixels)
+    processed = torch.cat([decoder.image_processor.preprocess(Image.fromarray(image)) for image in images])
+    with torch.inference_mode():
+        moments = reference.encode(processed.unsqueeze(2)).latent_dist.mode()
+    expected_latents = pack_latents(((moments - mean) / std).transpose(1, 2))
+    ours = torch.stack([item.latents for item in decoder.encode(images)])
+    assert (ours - expected_latents).abs().max().item() < 1e-4
+    assert torch.equal(decoder.encode(images[:1])[0].latents, ours[0])  # its batch-mates change nothing

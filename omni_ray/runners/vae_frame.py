@@ -1,0 +1,150 @@
+"""Qwen-Image's VAE on still images: the video VAE's first frame, computed with 2-D kernels.
+
+Qwen-Image's VAE is Wan's causal video VAE. A still image is a video of one frame, and on the first frame the video
+model does less than its layers suggest: every causal ``3x3x3`` convolution pads time with two zero frames in front,
+so its first two temporal taps only ever multiply zeros and it equals a ``3x3`` convolution with the last tap's
+weights; the temporal up- and down-sampling convolutions are skipped on a first frame (diffusers marks their cache
+"Rep" or fills it); attention and the spatial resampling already run per frame. ``FrameDecoder`` and
+``FrameEncoder`` are that arithmetic, built from a loaded ``AutoencoderKLQwenImage``'s weights: the same operations on
+the same values, without the 3-D convolutions' padding copies and their slower kernels (on the 2-core Xeon: the tiny
+VAE at 256x256 decodes about 4x faster).
+
+What they return is what diffusers' ``decode(...).sample[:, :, 0]`` and ``encode(...).latent_dist.mode()`` return;
+the kernels differ, so float sums may round differently (the pixels stay within one uint8 level; see the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLQwenImage
+from torch import nn
+
+
+def _conv2d(conv: nn.Conv3d) -> nn.Conv2d:
+    """The 2-D convolution a causal 3-D one computes on a first frame: its last temporal tap (the only one that
+    does not see the zero padding), its spatial padding and stride."""
+    _, _, taps, kernel_h, kernel_w = conv.weight.shape
+    padding = conv._padding  # diffusers' causal padding: (w, w, h, h, 2 * t, 0)
+    assert padding[0] == padding[1] and padding[2] == padding[3] and padding[4] == 2 * (taps // 2), "not causal"
+    out = nn.Conv2d(conv.in_channels, conv.out_channels, (kernel_h, kernel_w), stride=conv.stride[1:],
+                    padding=(padding[2], padding[0]), device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(conv.weight[:, :, -1])
+        out.bias.copy_(conv.bias)
+    return out
+
+
+class _RMSNorm(nn.Module):
+    """Qwen-Image's channel RMS norm on ``[B, C, H, W]``: L2-normalised over channels, in float32 for half types."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.scale = norm.scale
+        self.gamma = nn.Parameter(norm.gamma.detach().reshape(-1, 1, 1).clone())
+        self.bias = nn.Parameter(norm.bias.detach().reshape(-1, 1, 1).clone()) if torch.is_tensor(norm.bias) else 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        upcast = x.dtype in (torch.float16, torch.bfloat16)
+        normalized = F.normalize(x.float() if upcast else x, dim=1).to(x.dtype)
+        return normalized * self.scale * self.gamma + self.bias
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.norm1, self.conv1 = _RMSNorm(block.norm1), _conv2d(block.conv1)
+        self.norm2, self.conv2 = _RMSNorm(block.norm2), _conv2d(block.conv2)
+        shortcut = block.conv_shortcut
+        self.shortcut = _conv2d(shortcut) if isinstance(shortcut, nn.Conv3d) else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shortcut(x)
+        x = self.conv1(F.silu(self.norm1(x)))
+        x = self.conv2(F.silu(self.norm2(x)))  # dropout is 0 at inference
+        return x + h
+
+
+class _Attention(nn.Module):
+    """Single-head self-attention over an image's positions."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.norm, self.to_qkv, self.proj = _RMSNorm(block.norm), block.to_qkv, block.proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, channels, height, width = x.shape
+        qkv = self.to_qkv(self.norm(x)).reshape(batch, 1, channels * 3, height * width)
+        q, k, v = qkv.permute(0, 1, 3, 2).contiguous().chunk(3, dim=-1)  # each [B, 1, H*W, C]
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.squeeze(1).permute(0, 2, 1).reshape(batch, channels, height, width)) + x
+
+
+class _Resample(nn.Module):
+    """2x nearest-exact upsampling then a convolution, or a right/bottom zero pad then a stride-2 convolution; the
+    temporal convolutions of the ``*3d`` modes do nothing on a first frame."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.up = block.mode.startswith("upsample")
+        self.conv = block.resample[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.up:
+            return self.conv(F.interpolate(x.float(), scale_factor=2.0, mode="nearest-exact").type_as(x))
+        return self.conv(F.pad(x, (0, 1, 0, 1)))
+
+
+def _layer(module: nn.Module) -> nn.Module:
+    kind = type(module).__name__
+    if kind == "QwenImageResidualBlock":
+        return _ResidualBlock(module)
+    if kind == "QwenImageAttentionBlock":
+        return _Attention(module)
+    if kind == "QwenImageResample":
+        if module.mode == "none":
+            return nn.Identity()
+        return _Resample(module)
+    raise TypeError(f"no single-frame form for {kind}")
+
+
+def _mid_layers(mid: nn.Module) -> list[nn.Module]:
+    layers = [_layer(mid.resnets[0])]
+    for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
+        layers += [_layer(attention), _layer(resnet)]
+    return layers
+
+
+class FrameDecoder(nn.Module):
+    """Normalised latents ``[B, z_dim, h, w]`` -> pixels in [-1, 1] ``[B, 3, 8h, 8w]``."""
+
+    def __init__(self, vae: AutoencoderKLQwenImage):
+        super().__init__()
+        decoder = vae.decoder
+        layers = [_conv2d(vae.post_quant_conv), _conv2d(decoder.conv_in), *_mid_layers(decoder.mid_block)]
+        for block in decoder.up_blocks:
+            layers += [_layer(resnet) for resnet in block.resnets]
+            layers += [_layer(upsampler) for upsampler in block.upsamplers or ()]
+        self.layers = nn.Sequential(*layers)
+        self.norm_out, self.conv_out = _RMSNorm(decoder.norm_out), _conv2d(decoder.conv_out)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        x = self.conv_out(F.silu(self.norm_out(self.layers(latents))))
+        return x.clamp(-1.0, 1.0)
+
+
+class FrameEncoder(nn.Module):
+    """Pixels in [-1, 1] ``[B, 3, H, W]`` -> the latent distribution's mode ``[B, z_dim, H/8, W/8]``."""
+
+    def __init__(self, vae: AutoencoderKLQwenImage):
+        super().__init__()
+        encoder = vae.encoder
+        layers = [_conv2d(encoder.conv_in), *(_layer(layer) for layer in encoder.down_blocks)]
+        self.layers = nn.Sequential(*layers, *_mid_layers(encoder.mid_block))
+        self.norm_out, self.conv_out = _RMSNorm(encoder.norm_out), _conv2d(encoder.conv_out)
+        self.quant_conv = _conv2d(vae.quant_conv)
+        self.z_dim = vae.config.z_dim
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        moments = self.quant_conv(self.conv_out(F.silu(self.norm_out(self.layers(pixels)))))
+        return moments[:, : self.z_dim]  # the mean: a diagonal Gaussian's mode
