@@ -21,6 +21,7 @@ from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.errors import RequestError
 from omni_ray.pipeline import Pipeline
 from omni_ray.records import DenoiseParams, DenoiseRequest
+from omni_ray.runners.attention import use_real_rope
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from testing.engines import TOLERANCE, run_to_completion
 from testing.reference import PromptEncoder
@@ -150,8 +151,9 @@ def test_each_cfg_pass_decides_on_its_own_residual(runner, embeds):
 
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 def test_the_forward_is_diffusers_op_for_op(zero_cond_t):
-    """Our forward (which the caches need) gives diffusers' forward bit for bit, padded text and Qwen-Image-Edit
-    2511's zero_cond_t included; a sub-batch gives each row within the batching tolerance."""
+    """Our forward (which the caches need), with our real-arithmetic rotary attention, gives diffusers' forward
+    (complex rotary tables, its own processor) bit for bit, padded text and Qwen-Image-Edit 2511's zero_cond_t
+    included; a sub-batch gives each row within the batching tolerance."""
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2,
@@ -166,6 +168,7 @@ def test_the_forward_is_diffusers_op_for_op(zero_cond_t):
     with torch.no_grad():
         expected = transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,
                                encoder_hidden_states_mask=mask, img_shapes=img_shapes, return_dict=False)[0]
+        use_real_rope(transformer)
         got, _ = cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, [None] * rows,
                                 [(0, 4)] * rows, ())
         assert torch.equal(got, expected)

@@ -28,6 +28,7 @@ from omni_ray.records import (
     LoraRef,
     PromptEmbeds,
 )
+from omni_ray.runners.attention import use_real_rope
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
@@ -87,6 +88,7 @@ class DenoiseRunner:
     ):
         self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
         self.transformer = transformer.eval()
+        use_real_rope(transformer)
         self.loras = LoraTable(self.transformer, max_loras)
         self.teacache_coefficients = teacache_coefficients
         self.device, self.dtype = transformer.device, transformer.dtype

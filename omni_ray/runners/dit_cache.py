@@ -30,6 +30,7 @@ from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from omni_ray.config import CacheSettings
+from omni_ray.runners.attention import RealRope
 from omni_ray.runners.lora import LoraRows
 
 
@@ -125,7 +126,7 @@ def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, ca
     encoder = t.txt_in(t.txt_norm(embeds))
     text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, mask)
     temb = t.time_text_embed(timestep, hidden)
-    rope = t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
+    rope = RealRope.of(t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device))
     first, rest = t.transformer_blocks[0], t.transformer_blocks[1:]
     x = _Rows(hidden, encoder, mask, temb, modulate_index, lora)
     caches = list(caches)
