@@ -226,6 +226,14 @@ class DiTConfig(_StageConfig):
         4, description="LoRA adapters each DiT replica holds on its device at most; the least recently used idle one "
         "leaves first when another is needed.",
     )
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: torchao's dynamic float8 with per-row scales on the transformer blocks' Linears (weights "
+        "and activations in float8_e4m3, float32 accumulation), keeping the image MLP's output projection and the "
+        "modulation Linears in bfloat16 (omni_ray/runners/quantization.py). Needs a CUDA GPU of compute capability "
+        "8.9 or more (L4, L40S, H100, H200), dtype bfloat16 and torchao (`pip install -e .[fp8]`). Off by default: "
+        "its effect on image quality with real weights is not measured here.",
+    )
 
 
 class VAEConfig(_StageConfig):
@@ -375,6 +383,13 @@ class PipelineConfig(_Frozen):
             stage = getattr(self, stage_name)
             if stage.device.startswith("cuda") and stage.deployment.num_gpus == 0:
                 raise ValueError(f"{stage_name}.deployment.num_gpus must be > 0 when {stage_name}.device is cuda")
+        if self.dit.quantization == "fp8" and self.dit.runner == "model":
+            if not self.dit.device.startswith("cuda"):
+                raise ValueError(f"dit.quantization: fp8 runs on CUDA GPUs (float8 matmuls), not dit.device "
+                                 f"{self.dit.device}")
+            if self.dit.dtype != "bfloat16":
+                raise ValueError(f"dit.quantization: fp8 keeps its other layers in bfloat16; dit.dtype is "
+                                 f"{self.dit.dtype}")
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
         check_placement(self)

@@ -55,6 +55,10 @@ def test_config_is_frozen(tiny_dir):
          "greater than 0"),
         (lambda d: d.pop("name"), "name", "required"),
         (lambda d: d["dit"].update(device="cuda"), "dit.deployment.num_gpus", "must be > 0"),
+        (lambda d: d["dit"].update(quantization="int4"), "dit.quantization", "'none' or 'fp8'"),
+        (lambda d: d["dit"].update(quantization="fp8"), "dit.quantization", "runs on CUDA GPUs"),
+        (lambda d: (d["dit"].update(quantization="fp8", device="cuda"), d["dit"]["deployment"].update(num_gpus=1)),
+         "dit.quantization", "dit.dtype is float32"),
         (
             lambda d: d["dit"].update(max_batch_size=32),
             "dit.deployment.max_ongoing_requests",

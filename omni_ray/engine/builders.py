@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from omni_ray.config import PipelineConfig
@@ -15,6 +17,8 @@ from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, Simu
 from omni_ray.runners.tokenizer import PromptTokenizer
 from omni_ray.runners.transformers_encoder import TransformersEncoder
 from omni_ray.runners.vllm_encoder import VllmEncoder
+
+logger = logging.getLogger(__name__)
 
 
 def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
@@ -48,7 +52,12 @@ def build_dit_core(config: PipelineConfig) -> DiTEngineCore:
     if stage.runner == "simulated":
         return DiTEngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
-                                dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile)
+                                dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
+                                quantization=stage.quantization)
+    if stage.compile:  # compile now, while the replica is not yet ready, not on a user's first request
+        seconds = runner.warm_up(config.requests.default_height, config.requests.default_width)
+        logger.info("DiT blocks compiled for %dx%d in %.1f s", config.requests.default_width,
+                    config.requests.default_height, seconds)
     return DiTEngineCore(scheduler, runner)
 
 

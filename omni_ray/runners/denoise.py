@@ -11,6 +11,7 @@ every forward pass, with their own entry in the rotary shapes, and the predictio
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
 from omni_ray.runners.packing import pack_latents
+from omni_ray.runners.quantization import quantize_fp8
 from omni_ray.runners.random_weights import random_model
 
 logger = logging.getLogger(__name__)
@@ -94,16 +96,18 @@ class DenoiseRunner:
         self.device, self.dtype = transformer.device, transformer.dtype
         self.scheduler_config = scheduler_config
         self.num_channels_latents = transformer.config.in_channels // 4
+        self.warmup_s: float | None = None  # how long warm_up took (compiling, with compiled blocks)
 
     @classmethod
     def load(
         cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False, max_loras: int = 4,
-        compile: bool = False,
+        compile: bool = False, quantization: str = "none",
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
-        ``dummy``, its transformer built from the config with random weights; with ``compile``, its blocks
-        compiled (dynamic shapes: batch sizes, sub-batches of cache acceleration and text lengths vary)."""
+        ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
+        blocks' Linears in float8 (``quantization.quantize_fp8``); with ``compile``, its blocks compiled (dynamic
+        shapes: batch sizes, sub-batches of cache acceleration and text lengths vary)."""
         if dummy:
             config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
             transformer = random_model(QwenImageTransformer2DModel, config, dtype, device)
@@ -114,9 +118,33 @@ class DenoiseRunner:
             raise ValueError(f"{model}: not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
         transformer = transformer.to(device)
+        if quantization == "fp8":
+            logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
         if compile:
+            # Without duck sizing, a size that happens to equal another (text tokens and a model width, image
+            # tokens and the head size) stays a size of its own instead of being tied to it and specialised: other
+            # image sizes, text lengths and batch sizes then run the same compiled code.
+            from torch.fx.experimental import _config as fx_config
+
+            fx_config.use_duck_shape = False
             transformer.compile_repeated_blocks(dynamic=True)
         return cls(transformer, scheduler_config, teacache_coefficients, max_loras)
+
+    def warm_up(self, height: int, width: int, text_tokens: int = 64) -> float:
+        """Steps an image of this size alone, with true CFG, and with true CFG and a shorter negative prompt, so
+        that the compiled blocks' three variants (one row; several rows; several with padded text) compile here
+        rather than on a user's request; returns the seconds it took. Nothing is kept."""
+        start = time.perf_counter()
+        dim = self.transformer.config.joint_attention_dim
+        prompt, shorter = (PromptEmbeds(torch.zeros(n, dim)) for n in (text_tokens, text_tokens - 1))
+        for negative in (None, prompt, shorter):
+            params = DenoiseParams(height, width, num_inference_steps=2, seed=0, true_cfg_scale=4.0,
+                                   true_cfg=negative is not None)
+            self.step([self.prepare(params, prompt, negative)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - start
+        return self.warmup_s
 
     @property
     def lora_shapes(self) -> dict[str, tuple[int, int]]:

@@ -187,7 +187,8 @@ class LoraLinear(nn.Module):
         self.base, self.table = base, table
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
-        self.scaling = base.weight.new_zeros(table.max_loras)  # [slots] alpha / rank of each slot's adapter
+        self.scaling = torch.zeros(table.max_loras, device=base.weight.device, dtype=base.weight.dtype)  # [slots]
+        # alpha / rank of each slot's adapter
         self.filled: frozenset[int] = frozenset()  # slots whose adapter adapts this layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,9 +215,10 @@ class LoraLinear(nn.Module):
     def fill(self, slot: int, layer: LoraLayer) -> None:
         rank = layer.a.shape[0]
         if self.a is None or self.a.shape[1] < rank:  # (re)allocate, padded to the largest rank
-            base = self.base.weight
-            a = base.new_zeros(self.table.max_loras, rank, self.base.in_features)
-            b = base.new_zeros(self.table.max_loras, self.base.out_features, rank)
+            like = {"device": self.base.weight.device, "dtype": self.base.weight.dtype}  # a quantized weight's
+            # dtype is the one it computes in
+            a = torch.zeros(self.table.max_loras, rank, self.base.in_features, **like)
+            b = torch.zeros(self.table.max_loras, self.base.out_features, rank, **like)
             if self.a is not None:
                 a[:, : self.a.shape[1]], b[:, :, : self.a.shape[1]] = self.a, self.b
             self.a, self.b = a, b

@@ -231,9 +231,10 @@ class DiT(_EngineShim):
             yield item
 
     def stats(self) -> dict:
-        """The engine's counters, its steps by how many requests each advanced (the step-level batching), and the
-        request-steps that admitted requests sat out, paused."""
+        """The engine's counters, its steps by how many requests each advanced (the step-level batching), the
+        request-steps that admitted requests sat out, paused, and the seconds compiling took at start (``compile``)."""
         return {**super().stats(), "batch_sizes": self.engine.core.batch_sizes,
+                "warmup_s": getattr(self.engine.core.runner, "warmup_s", None),
                 "paused_request_steps": self.engine.core.scheduler.num_paused_steps,
                 "loras": [name for name, _ in self.loras.resident], "lora_loads": self.loras.num_loads}
 

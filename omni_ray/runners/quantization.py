@@ -1,0 +1,40 @@
+"""FP8 for the DiT (``dit.quantization: fp8``): torchao's dynamic float8 on the transformer blocks' Linears.
+
+Weights are stored in float8_e4m3 with one scale per output row; each call quantizes its activations per row
+(token) and multiplies with ``torch._scaled_mm`` (float32 accumulation), so a Linear's work and weight bytes halve
+against bf16 on GPUs with float8 tensor cores (compute capability 8.9+). What stays in bf16 is what the peers found
+sensitive in Qwen-Image: the image MLP's output projection (``img_mlp.net.2``, whose activations after the GELU carry
+outliers) and the modulation Linears (``img_mod.1``, ``txt_mod.1``: six shift/scale/gate vectors per block computed
+from the timestep embedding, a few rows each, where quantization saves nothing and errors reach every token), along
+with everything outside the blocks (embedders, final norm and projection). LoRA adapters add their update beside the
+quantized base (``LoraLinear``), in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+KEPT_IN_BF16 = ("img_mlp.net.2", "img_mod.1", "txt_mod.1")  # module names within a block
+
+
+def fp8_linears(transformer: nn.Module) -> list[str]:
+    """The Linears that FP8 quantizes: those of the transformer blocks, less ``KEPT_IN_BF16``."""
+    return [name for name, module in transformer.named_modules()
+            if isinstance(module, nn.Linear) and name.startswith("transformer_blocks.")
+            and not name.endswith(KEPT_IN_BF16)]
+
+
+def quantize_fp8(transformer: nn.Module) -> int:
+    """Quantizes ``fp8_linears`` in place; returns how many. Raises with the setting's name where it cannot run."""
+    device = next(transformer.parameters()).device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise RuntimeError(f"dit.quantization: fp8 needs a CUDA GPU of compute capability 8.9 or more, not {device}")
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except ImportError as err:
+        raise RuntimeError("dit.quantization: fp8 needs torchao (pip install -e .[fp8])") from err
+    names = set(fp8_linears(transformer))
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda module, name: name in names)
+    return len(names)
