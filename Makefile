@@ -65,6 +65,7 @@ clean:
 bench: install
 	$(PY) -m benchmarks.engine_throughput
 	$(PY) -m benchmarks.serve_overhead
+	$(PY) -m benchmarks.vae
 	$(PY) -m benchmarks.edit_throughput
 	$(PY) -m benchmarks.dit_cache
 	$(PY) -m benchmarks.scale
