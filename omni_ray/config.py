@@ -153,6 +153,12 @@ class EncoderConfig(_StageConfig):
     kv_cache_memory_bytes: PositiveInt = Field(
         256 << 20, description="KV cache the encoder reserves; prompts are encoded in one pass, so it stays small."
     )
+    cache_bytes: NonNegativeInt = Field(
+        256 << 20,
+        description="Prompt embeddings the encoder keeps, in bytes (least recently used first out; 0 keeps none): a "
+        "text encoded before, with the same checkpoint, template and (for edits) input image, skips the encoder. A "
+        "prompt's embeddings take tokens x 3584 x 2 bytes in bf16 (about 0.5 MB for 64 tokens).",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1,
         description="Share of its GPU's memory vLLM may claim (vLLM's own setting); at most deployment.num_gpus when "

@@ -128,3 +128,17 @@ def test_an_edit_with_first_block_cache_matches_diffusers_with_it(pipeline, conf
     (result,) = asyncio.run(pipeline.generate(body, working_image(config, "wide", seed=3)))
     assert result.dit_passes == {"computed": len(ran), "reused": 16 - len(ran)} and 0 < len(ran) < 16
     assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_the_prompt_cache_tells_input_images_apart_by_one_pixel(pipeline, config):
+    core = pipeline.stages.encoder.core
+    image = working_image(config, "wide", seed=5)
+    other = image.copy()
+    other[0, 0, 0] ^= 1  # one level of one channel of one pixel
+    before = core.num_encoded
+    first, _ = encode_all(core, [EncodeRequest("p1", "make it red", None, image)])
+    results, _ = encode_all(core, [EncodeRequest("p2", "make it red", None, other),
+                                   EncodeRequest("p3", "make it red", None, image.copy())])
+    assert core.num_encoded == before + 2  # p3's text and image were encoded before: not again
+    assert torch.equal(results["p3"].prompt.embeds, first["p1"].prompt.embeds)
+    assert not torch.equal(results["p2"].prompt.embeds, first["p1"].prompt.embeds)

@@ -424,6 +424,9 @@ def test_prometheus_metrics_per_stage(served):
             time.sleep(1)
         return samples
 
+    def exported(samples, name, stage="dit"):
+        return any(n == name and f'stage="{stage}"' in labels for n, labels in samples)
+
     before = quiet(served["metrics"])
     bodies = [{"prompt": "a red cat", "size": "64x64", "seed": 1, "num_inference_steps": 3, "n": 2},
               {"prompt": "a cup", "size": "64x64", "seed": 2, "num_inference_steps": 3},
@@ -451,6 +454,15 @@ def test_prometheus_metrics_per_stage(served):
         assert delta(samples, "ray_omni_stage_request_latency_seconds_count", stage=stage) == calls, stage
         assert delta(samples, "ray_omni_step_latency_seconds_count", stage=stage) >= 1, stage
         assert ("ray_omni_queue_length" in {n for n, _ in samples}), stage
+    # The encoder's prompt cache: "a bowl" and "dark" again (another seed) are found, not encoded again.
+    cached = settled(lambda s: exported(s, "ray_omni_encoder_prompt_cache_bytes", "encoder"))
+    again = {"prompt": "a bowl", "size": "64x64", "seed": 6, "num_inference_steps": 3, "negative_prompt": "dark"}
+    assert post(served["base"] + "/v1/images/generations", again)[0] == 200
+    hits = settled(lambda s: total(s, "ray_omni_encoder_prompt_cache_total", outcome="hit")
+                   - total(cached, "ray_omni_encoder_prompt_cache_total", outcome="hit") >= 2)
+    assert (total(hits, "ray_omni_encoder_prompt_cache_total", outcome="miss")
+            == total(cached, "ray_omni_encoder_prompt_cache_total", outcome="miss"))
+    assert total(hits, "ray_omni_encoder_prompt_cache_bytes", stage="encoder") > 0
     # The DiT ran 3 steps per request: at least 3 steps. While a request denoises, the batch gauge counts it (within
     # the preset's limit); a second after its last step, it reads 0 and the queue length is still exported.
     assert delta(samples, "ray_omni_step_latency_seconds_count", stage="dit") >= 3
@@ -460,9 +472,6 @@ def test_prometheus_metrics_per_stage(served):
         busy = settled(lambda s: total(s, "ray_omni_running_batch_size", stage="dit") >= 1)
         assert total(busy, "ray_omni_running_batch_size", stage="dit") <= 8
         assert running.result()[0] == 200
-    def exported(samples, name):
-        return any(n == name and 'stage="dit"' in labels for n, labels in samples)
-
     idle = settled(lambda s: exported(s, "ray_omni_running_batch_size")
                    and total(s, "ray_omni_running_batch_size", stage="dit") == 0)
     assert exported(idle, "ray_omni_queue_length") and total(idle, "ray_omni_queue_length", stage="dit") == 0

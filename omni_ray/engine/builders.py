@@ -10,6 +10,7 @@ from omni_ray.config import PipelineConfig
 from omni_ray.engine.core import DiTEngineCore, EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.encoder_core import EncoderEngineCore
+from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner
@@ -42,7 +43,11 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
             dummy=config.weights == "dummy",
             gpu_memory_utilization=stage.gpu_memory_utilization,
         )
-    return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length)
+    cache = None
+    if stage.cache_bytes:
+        checkpoint = f"{config.model}:{config.weights}:{stage.runner}"
+        cache = PromptCache(stage.cache_bytes, checkpoint, config.prompt_template.text)
+    return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache)
 
 
 def build_dit_core(config: PipelineConfig) -> DiTEngineCore:

@@ -2,7 +2,8 @@
 
 vLLM schedules and batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and
 the negative prompt for true CFG; for an edit each with the input image), and returns the request once all its
-texts are encoded, template dropped.
+texts are encoded, template dropped. A text whose embeddings are in the prompt cache (``encoder.cache_bytes``) is
+not encoded again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from omni_ray.engine.output import EngineCoreOutput, StepError
+from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.records import EncodedPrompt, EncodeRequest, PromptEmbeds
 from omni_ray.runners.tokenizer import PromptTokenizer, to_prompt_embeds
 
@@ -34,27 +36,35 @@ class Part(enum.Enum):
 
 
 class EncoderEngineCore:
-    def __init__(self, tokenizer: PromptTokenizer, encoder: SequenceEncoder, max_sequence_length: int = 512):
+    def __init__(self, tokenizer: PromptTokenizer, encoder: SequenceEncoder, max_sequence_length: int = 512,
+                 cache: PromptCache | None = None):
         self.tokenizer = tokenizer
         self.encoder = encoder
         self.max_sequence_length = max_sequence_length
+        self.cache = cache  # texts encoded before: their embeddings without running the encoder
         self.pending: dict[str, dict[Part, PromptEmbeds | None]] = {}  # request id -> part -> embeds once done
-        self.sequences: dict[str, tuple[str, Part]] = {}  # sequence id -> (request id, part), while it runs
+        self.sequences: dict[str, tuple[str, Part, bytes | None]] = {}  # sequence id -> (request id, part, cache
+        # key), while it runs
+        self.num_encoded = 0  # sequences the encoder ran
 
     def add_request(self, request: EncodeRequest) -> None:
         texts = {Part.PROMPT: request.prompt}
         if request.negative_prompt is not None:
             texts[Part.NEGATIVE] = request.negative_prompt
         token_ids = {part: self.tokenizer.tokenize(text) for part, text in texts.items()}
-        self.pending[request.request_id] = dict.fromkeys(texts)
+        parts = self.pending[request.request_id] = dict.fromkeys(texts)
         for part, ids in token_ids.items():
+            key = self.cache.key(ids, request.image) if self.cache is not None else None
+            parts[part] = self.cache.get(key) if key is not None else None
+            if parts[part] is not None:
+                continue
             sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
-            self.sequences[sequence_id] = (request.request_id, part)
+            self.sequences[sequence_id] = (request.request_id, part, key)
             self.encoder.add(sequence_id, ids, request.image)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         aborted = set(request_ids)
-        sequences = [sid for sid, (request_id, _) in self.sequences.items() if request_id in aborted]
+        sequences = [sid for sid, (request_id, _, _) in self.sequences.items() if request_id in aborted]
         for request_id in request_ids:
             self.pending.pop(request_id, None)
         for sequence_id in sequences:
@@ -68,17 +78,23 @@ class EncoderEngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.pending:
             return []
-        try:
-            finished = self.encoder.step()
-        except Exception as err:  # vLLM may have run any of them
-            raise StepError(list(self.pending)) from err
-        outputs = []
+        finished = {}
+        if self.sequences:
+            try:
+                finished = self.encoder.step()
+            except Exception as err:  # vLLM may have run any of them
+                raise StepError(list(self.pending)) from err
         for sequence_id, hidden in finished.items():
             if sequence_id not in self.sequences:  # aborted while vLLM ran it
                 continue
-            request_id, part = self.sequences.pop(sequence_id)
-            parts = self.pending[request_id]
-            parts[part] = to_prompt_embeds(hidden, self.tokenizer.template, self.max_sequence_length)
+            request_id, part, key = self.sequences.pop(sequence_id)
+            embeds = self.pending[request_id][part] = to_prompt_embeds(hidden, self.tokenizer.template,
+                                                                       self.max_sequence_length)
+            self.num_encoded += 1
+            if key is not None:
+                self.cache.put(key, embeds)
+        outputs = []
+        for request_id, parts in list(self.pending.items()):  # those the step finished, and cache hits
             if all(embeds is not None for embeds in parts.values()):
                 del self.pending[request_id]
                 result = EncodedPrompt(prompt=parts[Part.PROMPT], negative=parts.get(Part.NEGATIVE))

@@ -81,3 +81,13 @@ finish_estimate = metrics.Histogram(
     "(requests past their deadline by it are refused with a 503).",
     boundaries=LATENCY_BOUNDARIES, tag_keys=("stage",),
 )
+prompt_cache = metrics.Counter(
+    "omni_encoder_prompt_cache_total",
+    description="Texts the encoder looked up in its prompt-embedding cache, by outcome: hit (not encoded again) or "
+    "miss.",
+    tag_keys=("stage", "outcome"),
+)
+prompt_cache_bytes = metrics.Gauge(
+    "omni_encoder_prompt_cache_bytes", description="Bytes of prompt embeddings the encoder's cache holds.",
+    tag_keys=("stage",),
+)

@@ -1,0 +1,88 @@
+"""The encoder's prompt-embedding cache: keys, the byte bound, and a repeated prompt skipping vLLM's encoder."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO
+
+from omni_ray.config import load_config
+from omni_ray.engine.builders import build_encoder_core
+from omni_ray.engine.prompt_cache import PromptCache
+from omni_ray.records import EncodeRequest, PromptEmbeds
+
+
+def embeds(tokens: int, seed: int = 0) -> PromptEmbeds:
+    return PromptEmbeds(torch.randn(tokens, 16, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_keys_tell_apart_one_token_one_pixel_and_the_checkpoint():
+    cache = PromptCache(1 << 20, "model", "{}")
+    image = np.zeros((8, 8, 3), np.uint8)
+    other = image.copy()
+    other[7, 7, 2] = 1
+    keys = {cache.key([1, 2, 3]), cache.key([1, 2, 4]), cache.key([1, 2, 3], image), cache.key([1, 2, 3], other),
+            cache.key([1, 2, 3], image.reshape(4, 16, 3)), PromptCache(1 << 20, "other", "{}").key([1, 2, 3]),
+            PromptCache(1 << 20, "model", "x{}").key([1, 2, 3])}
+    assert len(keys) == 7
+    assert cache.key([1, 2, 3], image) == cache.key([1, 2, 3], image.copy())
+
+
+def test_a_hit_is_a_copy_and_the_cache_stays_within_its_bytes_under_1000_prompts():
+    cache = PromptCache(200_000, "model", "{}")
+    cache.put(cache.key([0]), embeds(10))
+    got = cache.get(cache.key([0]))
+    assert torch.equal(got.embeds, embeds(10).embeds)
+    got.embeds.zero_()  # a caller changing its copy changes nothing stored
+    assert torch.equal(cache.get(cache.key([0])).embeds, embeds(10).embeds)
+    for i in range(1, 1000):
+        cache.put(cache.key([i]), embeds(5 + i % 60, seed=i))
+        assert cache.nbytes <= 200_000
+    assert cache.nbytes == sum(e.embeds.nelement() * 4 for e in cache._entries.values())
+    assert 0 < len(cache) < 1000 and cache.get(cache.key([1])) is None  # the oldest left
+    assert torch.equal(cache.get(cache.key([999])).embeds, embeds(5 + 999 % 60, seed=999).embeds)
+    cache.put(cache.key([5000]), embeds(4000))  # larger than the whole cache: not kept, nothing evicted for it
+    assert cache.get(cache.key([5000])) is None and cache.nbytes <= 200_000
+    assert (cache.num_hits, cache.num_misses) == (3, 2)
+
+
+def test_lookups_refresh_an_entry():
+    cache = PromptCache(3 * 10 * 16 * 4, "model", "{}")  # three entries of 10 tokens
+    for i in range(3):
+        cache.put(cache.key([i]), embeds(10, i))
+    cache.get(cache.key([0]))  # 0 is now the most recent: 1 leaves next
+    cache.put(cache.key([3]), embeds(10, 3))
+    assert cache.get(cache.key([1])) is None and cache.get(cache.key([0])) is not None
+
+
+@pytest.mark.vllm
+def test_a_repeated_prompt_skips_vllm_and_returns_the_same_embeddings(tiny_dir):
+    config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
+    core = build_encoder_core(config)
+    try:
+        def encode(request: EncodeRequest):
+            start, steps = time.perf_counter(), 0
+            core.add_request(request)
+            while core.has_unfinished_requests():
+                outputs = core.step()
+                steps += 1
+            assert [o.request_id for o in outputs] == [request.request_id]
+            return outputs[0].pooling_output, steps, time.perf_counter() - start
+
+        first, _, cold_s = encode(EncodeRequest("a", "a red cat on a mat", "blurry"))
+        assert core.num_encoded == 2 and (core.cache.num_hits, core.cache.num_misses) == (0, 2)
+        again, steps, warm_s = encode(EncodeRequest("b", "a red cat on a mat", "blurry"))
+        assert core.num_encoded == 2 and core.cache.num_hits == 2  # vLLM ran nothing
+        assert steps == 1 and warm_s < cold_s / 5, (warm_s, cold_s)
+        assert torch.equal(again.prompt.embeds, first.prompt.embeds)
+        assert torch.equal(again.negative.embeds, first.negative.embeds)
+        # One character off: encoded, and its own embeddings (the prompt hits, the negative one misses)
+        other, _, _ = encode(EncodeRequest("c", "a red cat on a mat", "blurrx"))
+        assert core.num_encoded == 3 and torch.equal(other.prompt.embeds, first.prompt.embeds)
+        assert not torch.equal(other.negative.embeds, first.negative.embeds)
+        one_char, _, _ = encode(EncodeRequest("d", "a red cat on a hat"))
+        assert core.num_encoded == 4 and not torch.equal(one_char.prompt.embeds[:first.prompt.num_tokens],
+                                                         first.prompt.embeds[:one_char.prompt.num_tokens])
+    finally:
+        core.shutdown()
