@@ -268,6 +268,52 @@ class EditConfig(_Frozen):
         return 4 * self.image_area
 
 
+# The FlowMatchEulerDiscreteScheduler settings a recipe may change (its config keys that shape the sigmas).
+RECIPE_SCHEDULER_KEYS = frozenset({
+    "base_image_seq_len", "base_shift", "max_image_seq_len", "max_shift", "shift", "shift_terminal",
+    "time_shift_type", "use_dynamic_shifting", "invert_sigmas", "stochastic_sampling", "use_karras_sigmas",
+    "use_exponential_sigmas", "use_beta_sigmas", "num_train_timesteps",
+})
+RECIPE_FILE = "recipe.json"  # beside an adapter: in its folder, or as <file stem>.recipe.json
+
+
+class SamplingRecipe(_Frozen):
+    """How an adapter's authors sample with it (a few-step distillation such as Qwen-Image-Lightning): what a request
+    naming the adapter gets for each field it does not set itself."""
+
+    num_inference_steps: PositiveInt | None = Field(None, description="Denoising steps (Lightning: 4 or 8).")
+    true_cfg_scale: float | None = Field(
+        None, gt=0, description="True CFG scale; 1 turns true CFG off (Lightning's), whatever the negative prompt.",
+    )
+    scheduler: dict[str, bool | int | float | str | None] = Field(
+        default_factory=dict,
+        description="FlowMatchEulerDiscreteScheduler settings over the checkpoint's (Lightning: base_shift and "
+        "max_shift log(3), max_image_seq_len 8192, shift_terminal null); each request keeps its own sigmas, so "
+        "requests of other recipes share its step batches.",
+    )
+
+    @model_validator(mode="after")
+    def _check_scheduler(self) -> SamplingRecipe:
+        unknown = sorted(set(self.scheduler) - RECIPE_SCHEDULER_KEYS)
+        if unknown:
+            raise ValueError(f"scheduler: {', '.join(unknown)} not among {', '.join(sorted(RECIPE_SCHEDULER_KEYS))}")
+        return self
+
+
+class LoraEntry(_Frozen):
+    """An adapter the preset knows: its file and, optionally, its sampling recipe."""
+
+    path: str = Field(..., description="diffusers' pytorch_lora_weights.safetensors, or its folder.")
+    recipe: SamplingRecipe | None = Field(
+        None, description=f"The adapter's sampling recipe; without one here, a {RECIPE_FILE} beside the file (in its "
+        "folder, or as <file stem>.recipe.json) when the machine reading the preset has it.",
+    )
+
+
+def _lora_entry(value: Any) -> Any:
+    return {"path": value} if isinstance(value, str) else value
+
+
 class LoraSettings(_Frozen):
     """Adapters loaded at run time (POST /v1/load_lora_adapter): off unless the operator allows them, and then only
     from files under the given folders."""
@@ -362,11 +408,13 @@ class PipelineConfig(_Frozen):
         "`model`'s configs with random weights on its device and in its dtype (vLLM's dummy load format for the "
         "encoder), for timing and capacity tests without a download.",
     )
-    loras: dict[Annotated[str, Field(pattern=r"^[\w.:-]+$")], str] = Field(
-        default_factory=dict,
-        description="LoRA adapters known at start, name -> file (diffusers' pytorch_lora_weights.safetensors, or "
-        "its folder), on every node that runs the DiT; a request picks one with `model`. POST /v1/load_lora_adapter "
-        "adds more at run time when `lora` allows it.",
+    loras: dict[Annotated[str, Field(pattern=r"^[\w.:-]+$")], Annotated[LoraEntry, BeforeValidator(_lora_entry)]] = (
+        Field(
+            default_factory=dict,
+            description="LoRA adapters known at start, name -> file (diffusers' pytorch_lora_weights.safetensors, or "
+            "its folder), or name -> {path, recipe}, on every node that runs the DiT; a request picks one with "
+            "`model`. POST /v1/load_lora_adapter adds more at run time when `lora` allows it.",
+        )
     )
     lora: LoraSettings = Field(default_factory=LoraSettings, description="Adapters loaded at run time.")
     requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
@@ -443,6 +491,19 @@ def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineC
     return parse_config(data, source=str(path))
 
 
+def read_recipe(path: str) -> SamplingRecipe | None:
+    """The sampling recipe beside an adapter (``recipe.json`` in its folder, or ``<file stem>.recipe.json`` beside
+    its file), or None; ValueError for one that is not a valid recipe."""
+    adapter = pathlib.Path(path).expanduser()
+    beside = adapter / RECIPE_FILE if adapter.is_dir() else adapter.with_name(f"{adapter.stem}.{RECIPE_FILE}")
+    if not beside.is_file():
+        return None
+    try:
+        return SamplingRecipe.model_validate(json.loads(beside.read_text()))
+    except (ValueError, ValidationError) as err:
+        raise ValueError(f"{beside.name}: {describe(err) if isinstance(err, ValidationError) else err}") from None
+
+
 def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     """Validates a preset given as a mapping; raises ConfigError naming the field. Reads the checkpoint's
     ``model_index.json`` when it exists; writes nothing (a checkpoint that ``build_if_missing`` names and that is not
@@ -451,6 +512,14 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
         config = PipelineConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(f"{source}: {describe(err)}") from None
+    loras = dict(config.loras)
+    for name, entry in config.loras.items():
+        if entry.recipe is None:
+            try:
+                loras[name] = entry.model_copy(update={"recipe": read_recipe(entry.path)})
+            except ValueError as err:
+                raise ConfigError(f"{source}: loras.{name}.recipe: {err}") from None
+    config = config.model_copy(update={"loras": loras})
     if not config.is_local:
         return config
     model_dir = pathlib.Path(config.model).expanduser()

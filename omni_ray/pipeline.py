@@ -23,7 +23,7 @@ from omni_ray import checkpoints
 from omni_ray.api.images import load_input_image
 from omni_ray.api.planning import plan_request
 from omni_ray.api.schema import ImageGenerationRequest
-from omni_ray.config import PipelineConfig, load_config
+from omni_ray.config import LoraEntry, PipelineConfig, load_config
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
 from omni_ray.engine.lora_residency import LoraResidency
@@ -61,7 +61,7 @@ class LocalStages(Stages[object]):
             AsyncEngine(lambda: build_dit_core(config), "dit").start(),
             AsyncEngine(lambda: build_vae_core(config), "vae").start(),
             config.dit.max_loras,
-            AdapterFiles(config.loras.values(), config.lora.roots),
+            AdapterFiles([entry.path for entry in config.loras.values()], config.lora.roots),
         )
 
     def put_image(self, image: np.ndarray) -> np.ndarray:
@@ -92,7 +92,7 @@ class LocalStages(Stages[object]):
         if isinstance(handle, asyncio.Future):
             handle.cancel()
 
-    async def check_lora(self, path: str) -> str:
+    async def check_lora(self, path: str) -> LoraEntry:
         return await asyncio.to_thread(self.files.check, path, self.loras.shapes)
 
     def shutdown(self) -> None:

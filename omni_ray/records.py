@@ -90,6 +90,8 @@ class DenoiseParams:
     true_cfg: bool = False  # runs the unconditional pass beside the conditional one
     priority: int = 0  # lower runs first; the DiT pauses lower-priority requests at a step boundary for it
     tenant: str = ""  # who sent it (an API key's name, or OpenAI's `user`): the DiT shares steps fairly between them
+    scheduler: tuple[tuple[str, object], ...] = ()  # scheduler settings over the checkpoint's (an adapter's recipe):
+    # the request's own sigmas; never splits a batch
 
     def __post_init__(self) -> None:
         if any(not 0 < step < self.num_inference_steps for step in self.previews):

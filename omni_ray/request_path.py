@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from omni_ray.api.planning import GenerationPlan
-from omni_ray.config import RequestLimits
+from omni_ray.config import LoraEntry, RequestLimits
 from omni_ray.errors import DeadlineExceededError, EngineError, OmniRayError, StageCall, StageLostError
 from omni_ray.records import (
     Decoded,
@@ -87,9 +87,9 @@ class Stages(ABC, Generic[Handle]):
         return None
 
     @abstractmethod
-    async def check_lora(self, path: str) -> str:
-        """The resolved path of a run-time adapter the DiT can take; RequestError (naming ``lora_path``) when
-        ``path`` is outside the preset's ``lora.roots`` or not an adapter of its transformer."""
+    async def check_lora(self, path: str) -> LoraEntry:
+        """A run-time adapter the DiT can take (its resolved path and the recipe beside it); RequestError (naming
+        ``lora_path``) when ``path`` is outside the preset's ``lora.roots`` or not an adapter of its transformer."""
 
 
 @dataclass(slots=True)
@@ -177,9 +177,9 @@ def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
     ``partial_images`` previews come after steps spread evenly before the last."""
     request = plan.request
     return DenoiseParams(
-        plan.height, plan.width, plan.num_inference_steps, plan.seed + index, request.true_cfg_scale, plan.cache,
+        plan.height, plan.width, plan.num_inference_steps, plan.seed + index, plan.true_cfg_scale, plan.cache,
         plan.lora, preview_steps(request.partial_images if request.stream else 0, plan.num_inference_steps),
-        true_cfg=plan.true_cfg, priority=request.priority, tenant=plan.tenant,
+        true_cfg=plan.true_cfg, priority=request.priority, tenant=plan.tenant, scheduler=plan.scheduler,
     )
 
 

@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 
+from omni_ray.config import LoraEntry
 from omni_ray.errors import StageCall, StageLostError
 from omni_ray.records import Decoded, Finished, Follows, Preview, StepDone
 from omni_ray.request_path import Stages
@@ -104,4 +105,4 @@ class FakeStages(Stages[Call]):
     async def check_lora(self, path):
         call = self._call("check_lora", path)
         await self._run(call)
-        return path
+        return LoraEntry(path=path)

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from omni_ray.api.images import working_size
-from omni_ray.config import LoraSettings, load_config
+from omni_ray.config import LoraEntry, LoraSettings, load_config
 from omni_ray.errors import OverloadedError
 from omni_ray.runners import lora as lora_module
 from omni_ray.runners.lora import AdapterFiles
@@ -177,6 +177,30 @@ def test_adapters_are_checked_by_the_dit_before_they_are_listed(config):
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 200
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 404
+
+
+def test_a_run_time_adapter_s_recipe_fills_the_fields_a_request_leaves_out(config):
+    """The recipe the DiT found beside a run-time adapter rides with it in the store: a request naming the adapter
+    gets its steps, true CFG scale (1: off, despite the negative prompt) and scheduler settings."""
+
+    class WithRecipe(FakeStages):
+        async def check_lora(self, path):
+            await super().check_lora(path)
+            return LoraEntry(path=path, recipe={"num_inference_steps": 3, "true_cfg_scale": 1.0,
+                                                "scheduler": {"shift": 3.0, "use_dynamic_shifting": False}})
+
+    client, stages = client_for(allowing_runtime_adapters(config), stages=WithRecipe())
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "fast", "lora_path": "/adapters/fast"}
+                       ).status_code == 200
+    body = {"prompt": "a cat", "negative_prompt": "blurry", "size": "64x64", "model": "fast"}
+    assert client.post("/v1/images/generations", json=body).status_code == 200
+    assert client.post("/v1/images/generations", json={**body, "num_inference_steps": 2, "true_cfg_scale": 2.0}
+                       ).status_code == 200
+    recipe, own = (call.args[1] for call in stages.calls_to("denoise"))
+    assert (recipe.num_inference_steps, recipe.true_cfg, recipe.lora.name) == (3, False, "fast")
+    assert recipe.scheduler == (("shift", 3.0), ("use_dynamic_shifting", False))
+    assert (own.num_inference_steps, own.true_cfg, own.true_cfg_scale) == (2, True, 2.0)
+    assert own.scheduler == recipe.scheduler
 
 
 KEYED_ROUTES = [("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import REPO
 
-from omni_ray.config import load_config
+from omni_ray.config import ConfigError, LoraEntry, load_config, parse_config
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.lora_residency import LoraResidency
@@ -45,7 +49,7 @@ def diffusers_pipe(tiny_dir):
     return QwenImagePipeline.from_pretrained(tiny_dir)
 
 
-def diffusers_image(pipe, adapter: str | None, scale: float, body: dict) -> np.ndarray:
+def diffusers_image(pipe, adapter: str | None, scale: float, body: dict, true_cfg_scale: float = 4.0) -> np.ndarray:
     if adapter is None:
         pipe.disable_lora()
     else:
@@ -53,7 +57,8 @@ def diffusers_image(pipe, adapter: str | None, scale: float, body: dict) -> np.n
         pipe.load_lora_weights(adapter, adapter_name="x")
         pipe.set_adapters("x", scale)
     width, height = (int(side) for side in body["size"].split("x"))
-    image = pipe(body["prompt"], negative_prompt=body.get("negative_prompt"), true_cfg_scale=4.0, height=height,
+    image = pipe(body["prompt"], negative_prompt=body.get("negative_prompt"), true_cfg_scale=true_cfg_scale,
+                 height=height,
                  width=width, num_inference_steps=body["num_inference_steps"],
                  generator=torch.Generator("cpu").manual_seed(body["seed"]), output_type="np").images[0]
     return (image * 255).round().astype(np.uint8)
@@ -63,7 +68,8 @@ def test_a_request_with_an_adapter_equals_diffusers_load_lora_weights(tiny_dir, 
     """Through the whole in-process request path (vLLM encoder, step-batching DiT, VAE), adapters of rank 4 (alpha 8)
     and 8 (no config in the file), at scales 0.7 and 1.3, and the rank-8 one in kohya's spelling."""
     config = load_config(REPO / "stage_configs" / "qwen_image_tiny.yaml", model=str(tiny_dir))
-    config = config.model_copy(update={"loras": {"A": adapters["A"], "B": adapters["B"], "K": adapters["B_kohya"]}})
+    config = config.model_copy(update={"loras": {name: LoraEntry(path=adapters[file]) for name, file in
+                                                  (("A", "A"), ("B", "B"), ("K", "B_kohya"))}})
     pipeline = Pipeline(config)
     try:
         body = {"prompt": "a red cat", "negative_prompt": "blurry", "size": "64x64", "num_inference_steps": 3,
@@ -93,7 +99,7 @@ def test_edits_take_adapters_too(edit_dir, tmp_path):
 
     adapter = str(make_adapter(edit_dir, tmp_path / "E", rank=4, alpha=4, seed=3))
     config = load_config(REPO / "stage_configs" / "qwen_image_edit_tiny.yaml", model=str(edit_dir))
-    config = config.model_copy(update={"loras": {"E": adapter}})
+    config = config.model_copy(update={"loras": {"E": LoraEntry(path=adapter)}})
     source = source_image(180, 100, seed=1)
     pipeline = Pipeline(config)
     try:
@@ -111,6 +117,75 @@ def test_edits_take_adapters_too(edit_dir, tmp_path):
     assert ours.pixels.shape == expected.shape
     assert np.abs(ours.pixels.astype(int) - expected.astype(int)).max() <= 1
     assert np.abs(base.pixels.astype(int) - expected.astype(int)).max() > 20
+
+
+# Qwen-Image-Lightning's scheduler settings (ModelTC/Qwen-Image-Lightning, generate_with_diffusers.py): a shift of 3
+# at any size; its authors sample with 4 or 8 steps and true CFG off.
+LIGHTNING = {"base_image_seq_len": 256, "base_shift": math.log(3), "max_image_seq_len": 8192, "max_shift": math.log(3),
+             "shift": 1.0, "shift_terminal": None, "time_shift_type": "exponential", "use_dynamic_shifting": True}
+
+
+def test_a_few_step_adapter_s_recipe_shares_step_batches_and_equals_diffusers(tiny_dir, adapters, diffusers_pipe,
+                                                                               tmp_path):
+    """An adapter whose recipe (beside its file) sets 4 steps, true CFG off and Lightning's scheduler, in step
+    batches with a base-model request (6 steps) and a second adapter (5 steps): each image is diffusers' with its
+    own settings (load_lora_weights, the recipe's scheduler), and a request's own fields win over the recipe."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    lightning = tmp_path / "lightning"
+    shutil.copytree(adapters["A"], lightning)
+    (lightning / "recipe.json").write_text(json.dumps(
+        {"num_inference_steps": 4, "true_cfg_scale": 1.0, "scheduler": LIGHTNING}))
+    data = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
+    data.update(model=str(tiny_dir), loras={"L": str(lightning), "B": adapters["B"]})
+    config = parse_config(data)
+    assert config.loras["L"].recipe.num_inference_steps == 4 and config.loras["B"].recipe is None
+    pipeline = Pipeline(config)
+    bodies = {
+        "base": {"prompt": "a red cat", "size": "64x64", "num_inference_steps": 6, "seed": 5},
+        "L": {"prompt": "a red cat", "negative_prompt": "blurry", "size": "64x64", "seed": 6, "model": "L"},
+        "B": {"prompt": "a blue cup", "size": "64x64", "num_inference_steps": 5, "seed": 7, "model": "B"},
+    }
+
+    async def together():
+        return await asyncio.gather(*(pipeline.generate(body) for body in bodies.values()))
+
+    try:
+        results = dict(zip(bodies, (images[0] for images in asyncio.run(together()))))
+        assert max(pipeline.stages.dit.core.batch_sizes) == 3  # all three in one step, each with its own sigmas
+        (own,) = asyncio.run(pipeline.generate({**bodies["L"], "num_inference_steps": 2, "true_cfg_scale": 3.0}))
+    finally:
+        pipeline.shutdown()
+    base_scheduler = diffusers_pipe.scheduler
+    try:
+        assert np.abs(results["base"].pixels.astype(int) - diffusers_image(diffusers_pipe, None, 1.0, bodies["base"]
+                                                                            )).max() <= 1
+        assert np.abs(results["B"].pixels.astype(int) - diffusers_image(diffusers_pipe, adapters["B"], 1.0,
+                                                                        bodies["B"])).max() <= 1
+        diffusers_pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config({**base_scheduler.config, **LIGHTNING})
+        expected = diffusers_image(diffusers_pipe, adapters["A"], 1.0, {**bodies["L"], "num_inference_steps": 4},
+                                   true_cfg_scale=1.0)
+        assert np.abs(results["L"].pixels.astype(int) - expected).max() <= 1
+        assert np.abs(results["base"].pixels.astype(int) - expected).max() > 20
+        # The request's own steps and scale (CFG on, with its negative prompt) over the recipe's; its scheduler stays.
+        expected = diffusers_image(diffusers_pipe, adapters["A"], 1.0, {**bodies["L"], "num_inference_steps": 2},
+                                   true_cfg_scale=3.0)
+        assert np.abs(own.pixels.astype(int) - expected).max() <= 1
+    finally:
+        diffusers_pipe.scheduler = base_scheduler
+
+
+def test_a_bad_recipe_is_refused_naming_it(tiny_dir, adapters, tmp_path):
+    data = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
+    data.update(model=str(tiny_dir), loras={"L": {"path": adapters["A"], "recipe": {"scheduler": {"shfit": 3}}}})
+    with pytest.raises(ConfigError, match=r"loras.L.recipe: .*scheduler: shfit not among"):
+        parse_config(data)
+    beside = tmp_path / "beside"
+    shutil.copytree(adapters["A"], beside)
+    (beside / "recipe.json").write_text('{"num_inference_steps": 0}')
+    data.update(loras={"L": str(beside)})
+    with pytest.raises(ConfigError, match=r"loras.L.recipe: recipe.json: num_inference_steps: .*greater than 0"):
+        parse_config(data)
 
 
 @pytest.fixture(scope="module")

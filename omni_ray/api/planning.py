@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
-from omni_ray.config import CacheSettings, PipelineConfig
+from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig
 from omni_ray.errors import NotFoundError, RequestError
 from omni_ray.qwen_image import check_side, dit_work_tokens, template_for, uses_true_cfg
 from omni_ray.records import LoraRef, TokenCount
@@ -32,6 +32,8 @@ class GenerationPlan:
     seed: int  # image i uses seed + i
     cache: CacheSettings | None = None  # the request's, or the preset's default
     lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
+    true_cfg_scale: float = 4.0  # the request's, or its adapter's recipe's when the request does not set it
+    scheduler: tuple[tuple[str, object], ...] = ()  # the adapter's recipe's scheduler settings, over the checkpoint's
     quality: str = "high"  # OpenAI's quality level the steps are nearest to: what responses name as used
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
     input_tokens: TokenCount = TokenCount(0)  # what the encoder reads: the prompt, and the negative with true CFG
@@ -41,7 +43,7 @@ class GenerationPlan:
     @property
     def true_cfg(self) -> bool:
         """Whether the request runs true CFG (diffusers' rule), decided here once for every stage."""
-        return uses_true_cfg(self.request.true_cfg_scale, self.request.negative_prompt is not None)
+        return uses_true_cfg(self.true_cfg_scale, self.request.negative_prompt is not None)
 
     @property
     def work_tokens(self) -> int:
@@ -64,7 +66,7 @@ def plan_request(
     config: PipelineConfig,
     count_tokens: Callable[..., int] | None = None,
     image: np.ndarray | None = None,
-    adapters: Mapping[str, str] | None = None,
+    adapters: Mapping[str, LoraEntry] | None = None,
     has_image: bool | None = None,
 ) -> GenerationPlan:
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
@@ -72,15 +74,22 @@ def plan_request(
     An edit brings its ``image`` (``load_input_image``'s); its working size is the default output size.
     ``count_tokens(text, image_size)`` gives a prompt's templated length (a ``TokenCount``: its text's tokens and
     the image's), checked against the encoder's limit and counted in the response's ``usage``. ``adapters``
-    (name -> file) are the LoRA adapters ``model`` may name. ``has_image`` says the request brought an image when
-    ``image`` was not decoded (the preset does not edit).
+    (name -> file and sampling recipe) are the LoRA adapters ``model`` may name; a request naming one with a recipe
+    gets the recipe's steps, true CFG scale and scheduler settings for the fields it does not set. ``has_image``
+    says the request brought an image when ``image`` was not decoded (the preset does not edit).
     """
     check_route(config, has_image=image is not None if has_image is None else has_image)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
-    lora = resolve_model(request, config, adapters or {})
+    adapters = adapters or {}
+    lora = resolve_model(request, config, adapters)
+    recipe = adapters[lora.name].recipe if lora is not None else None
+    given = request.model_fields_set
+    true_cfg_scale = request.true_cfg_scale
+    if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in given:
+        true_cfg_scale = recipe.true_cfg_scale
     height, width = resolve_size(request, config, image.shape[:2] if image is not None else None)
     input_tokens = TokenCount(0)
-    true_cfg = uses_true_cfg(request.true_cfg_scale, request.negative_prompt is not None)
+    true_cfg = uses_true_cfg(true_cfg_scale, request.negative_prompt is not None)
     if count_tokens is not None:
         image_size = image.shape[:2] if image is not None else None
         for field in ("prompt", "negative_prompt"):
@@ -104,6 +113,8 @@ def plan_request(
     if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
         raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
     steps = request.num_inference_steps or quality_steps(request.quality, config)
+    if recipe is not None and recipe.num_inference_steps and not given & {"num_inference_steps", "quality"}:
+        steps = recipe.num_inference_steps
     if request.timeout is not None and request.timeout > config.requests.timeout_s:
         raise RequestError(f"timeout: at most {config.requests.timeout_s:g} s here (requests.timeout_s)",
                            param="timeout")
@@ -115,6 +126,8 @@ def plan_request(
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
         cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
         lora=lora,
+        true_cfg_scale=true_cfg_scale,
+        scheduler=tuple(sorted(recipe.scheduler.items())) if recipe is not None else (),
         quality=request.quality if request.quality != "auto" and request.num_inference_steps is None
         else quality_level(steps, config),
         image=image,
@@ -139,7 +152,7 @@ def quality_level(steps: int, config: PipelineConfig) -> str:
     return min(("high", "medium", "low"), key=lambda level: abs(getattr(levels, level) - steps))
 
 
-def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, str]
+def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, LoraEntry]
                   ) -> LoraRef | None:
     """The LoRA adapter ``model`` names (None for the base model); NotFoundError (404, ``model_not_found``) for a name
     that is neither, as OpenAI answers."""
@@ -151,7 +164,7 @@ def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapt
     if request.model not in adapters:
         known = ", ".join([config.name, *sorted(adapters)])
         raise NotFoundError(f"model: {request.model!r} does not exist here; the models are {known}", param="model")
-    return LoraRef(request.model, adapters[request.model], request.lora_scale)
+    return LoraRef(request.model, adapters[request.model].path, request.lora_scale)
 
 
 def check_route(config: PipelineConfig, has_image: bool) -> None:

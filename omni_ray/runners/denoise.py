@@ -224,7 +224,8 @@ class DenoiseRunner:
         latents = pack_latents(noise).to(self.device)
 
         steps = params.num_inference_steps
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config, **one_step_overrides(steps))
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            {**self.scheduler_config, **dict(params.scheduler)}, **one_step_overrides(steps))
         scheduler.set_timesteps(
             sigmas=np.linspace(1.0, 1 / steps, steps),
             device=self.device,

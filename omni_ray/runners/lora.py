@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from omni_ray.config import LoraEntry, read_recipe
 from omni_ray.errors import RequestError
 from omni_ray.records import LoraKey, LoraRef
 
@@ -61,12 +62,16 @@ class AdapterFiles:
     def __init__(self, preset: Collection[str] = (), roots: Sequence[str] = ()):
         self.preset, self.roots = frozenset(preset), tuple(roots)
 
-    def check(self, path: str, shapes: Mapping[str, tuple[int, int]]) -> str:
-        """The resolved path of a run-time adapter the transformer (``shapes``) can take; RequestError naming
-        ``lora_path`` otherwise, without reading a file outside ``roots``."""
+    def check(self, path: str, shapes: Mapping[str, tuple[int, int]]) -> LoraEntry:
+        """A run-time adapter the transformer (``shapes``) can take: its resolved path and the sampling recipe beside
+        it (``config.read_recipe``); RequestError naming ``lora_path`` otherwise, without reading a file outside
+        ``roots``."""
         resolved = confine(path, self.roots)
         read_lora(resolved, shapes)
-        return resolved
+        try:
+            return LoraEntry(path=resolved, recipe=read_recipe(resolved))
+        except ValueError as err:
+            raise RequestError(f"lora_path: the adapter's {err}", param="lora_path") from None
 
     def read(self, path: str, shapes: Mapping[str, tuple[int, int]]) -> dict[str, LoraLayer]:
         """``read_lora``, for ``LoraResidency``."""

@@ -12,14 +12,22 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
+from omni_ray.config import LoraEntry
+
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
-    """A run-time adapter: its file, resolved by the DiT that checked it (never sent to a client), and when it was
-    added (``/v1/models``' ``created``)."""
+    """A run-time adapter: its file, resolved by the DiT that checked it (never sent to a client), when it was
+    added (``/v1/models``' ``created``), and the sampling recipe found beside it."""
 
     path: str
     created: int  # Unix seconds
+    recipe: dict | None = None  # config.SamplingRecipe's fields
+
+    @property
+    def entry(self) -> LoraEntry:
+        """What planning reads: the file and its recipe."""
+        return LoraEntry(path=self.path, recipe=self.recipe)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

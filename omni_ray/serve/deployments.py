@@ -18,7 +18,7 @@ import ray
 import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
 from ray import serve
 
-from omni_ray.config import PipelineConfig
+from omni_ray.config import LoraEntry, PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
 from omni_ray.engine.dit_load import DiTLoad
@@ -183,7 +183,7 @@ class DiT(_EngineShim):
         scheduler = self.engine.core.scheduler
         self.load = DiTLoad(self.engine.core.step_times, scheduler.max_batch_size, scheduler.max_batch_tokens,
                             by_priority=scheduler.policy != "fifo")
-        self.files = AdapterFiles(config.loras.values(), config.lora.roots)
+        self.files = AdapterFiles([entry.path for entry in config.loras.values()], config.lora.roots)
         self.loras = LoraResidency(
             self.engine, config.dit.max_loras, self.files.read,
             on_load=lambda name: metrics.lora_loads.inc(tags={**self.tags, "adapter": name}),
@@ -196,9 +196,9 @@ class DiT(_EngineShim):
         # asked for (as many as it holds), so requests for an adapter go preferably where it is resident.
         self._route = serve.multiplexed(max_num_models_per_replica=config.dit.max_loras)(route)
 
-    async def check_lora(self, path: str) -> str:
-        """The resolved path of a run-time adapter under ``lora.roots`` that this transformer can take; RequestError
-        naming ``lora_path`` otherwise."""
+    async def check_lora(self, path: str) -> LoraEntry:
+        """A run-time adapter under ``lora.roots`` that this transformer can take (its resolved path, and its recipe
+        when one lies beside it); RequestError naming ``lora_path`` otherwise."""
         return await asyncio.to_thread(self.files.check, path, self.loras.shapes)
 
     async def denoise(

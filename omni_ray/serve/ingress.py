@@ -38,7 +38,7 @@ from omni_ray.api.responses import (
     progress_event,
 )
 from omni_ray.api.schema import ImageGenerationRequest, parse_request
-from omni_ray.config import PipelineConfig
+from omni_ray.config import LoraEntry, PipelineConfig
 from omni_ray.errors import ForbiddenError, NotFoundError, OmniRayError, OverloadedError, RequestError
 from omni_ray.records import Decoded, OutputMode, TokenCount
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
@@ -148,10 +148,11 @@ class Coordinator:
             taken = RequestError(f"lora_name: {name!r} is already loaded; unload it first", param="lora_name")
             if name in self.config.loras or await self.adapters.get(name) is not None:
                 raise taken
-            resolved = await self.stages.check_lora(path)
-            if not await self.adapters.add(name, Adapter(resolved, int(time.time()))):
+            entry = await self.stages.check_lora(path)
+            recipe = entry.recipe.model_dump() if entry.recipe is not None else None
+            if not await self.adapters.add(name, Adapter(entry.path, int(time.time()), recipe)):
                 raise taken  # another load of the name won meanwhile
-            logger.info("LoRA adapter %r added from %s", name, resolved)
+            logger.info("LoRA adapter %r added from %s%s", name, entry.path, " with its recipe" if recipe else "")
         return JSONResponse({"lora_name": name, "status": "loaded"})
 
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:
@@ -243,9 +244,9 @@ class Coordinator:
                 f"the DiT would finish this request in about {estimate:.0f} s, past its {plan.timeout_s:g} s deadline "
                 "(timeout)", retry_after_s=estimate - plan.timeout_s, stage="dit")
 
-    async def _adapters_for(self, body: dict | ImageGenerationRequest) -> dict[str, str]:
-        """The adapter the request's ``model`` names (name -> file), when it names one that exists; else every
-        adapter, for the 404 to list."""
+    async def _adapters_for(self, body: dict | ImageGenerationRequest) -> dict[str, LoraEntry]:
+        """The adapter the request's ``model`` names (name -> its file and recipe), when it names one that exists;
+        else every adapter, for the 404 to list."""
         if not isinstance(body, (dict, ImageGenerationRequest)):
             return {}  # not a JSON object: planning refuses it
         name = body.model if isinstance(body, ImageGenerationRequest) else body.get("model")
@@ -254,8 +255,8 @@ class Coordinator:
         if name in self.config.loras:
             return {name: self.config.loras[name]}
         if (adapter := await self.adapters.get(name)) is not None:
-            return {name: adapter.path}
-        return {**self.config.loras, **{name: a.path for name, a in (await self.adapters.all()).items()}}
+            return {name: adapter.entry}
+        return {**self.config.loras, **{name: a.entry for name, a in (await self.adapters.all()).items()}}
 
     def authorize(self, request: Request) -> str | None:
         """The name of the API key the request carries (None when the server takes none); raises

@@ -23,6 +23,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from omni_ray.api.planning import GenerationPlan
+from omni_ray.config import LoraEntry
 from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageCall, StageLostError
 from omni_ray.records import Decoded, DenoiseParams, EncodeRequest, OutputMode
 from omni_ray.request_path import DenoiseEvent, Stages, read_step_stream
@@ -94,8 +95,8 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
             logger.warning("no estimate from the DiT (%s: %s): the request is admitted", type(err).__name__, err)
             return None
 
-    async def check_lora(self, path: str) -> str:
-        """A DiT replica's ``check_lora``: the resolved path, or RequestError naming ``lora_path``."""
+    async def check_lora(self, path: str) -> LoraEntry:
+        """A DiT replica's ``check_lora``: the resolved path and recipe, or RequestError naming ``lora_path``."""
         try:
             return await self.dit_calls.check_lora.remote(path)
         except Exception as err:
