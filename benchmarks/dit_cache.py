@@ -31,6 +31,7 @@ import sys
 import time
 import uuid
 
+from benchmarks import write_report
 from benchmarks.engine_throughput import PROMPTS, REPO, RESULTS, machine, save_figure
 
 SETTINGS = [None, ("first_block", 0.8), ("first_block", 1.0), ("first_block", 1.2),
@@ -188,8 +189,7 @@ def main() -> None:
                    env=env, check=True, cwd=REPO)
     report = {"machine": machine(), **json.loads(part.read_text())}
     part.unlink()
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out.with_suffix(".png"))
+    write_report(report, out, plot)
     print(f"{'cache':<20} {'reused':>7} {'DiT':>6} {'e2e':>6} {'max diff':>9} {'mean diff':>10}")
     for r in report["settings"]:
         name = label(r["cache"]).replace("\n", " ")

@@ -30,6 +30,7 @@ import json
 import pathlib
 import time
 
+from benchmarks import write_report
 from omni_ray.checkpoints.full_size import CONFIG_DIR, parameter_counts
 from omni_ray.qwen_image import LATENT_CHANNELS, PUBLISHED_PARAMS, TEXT_HIDDEN, image_tokens
 from omni_ray.runners.gpu_costs import dit_pass_flops
@@ -351,10 +352,7 @@ def main() -> None:
         return
     report = run(args.sizes, args.batches, args.steps, args.text_tokens, args.repeats, args.layers, args.variants,
                  args.profile_sizes if args.profile else [])
-    out = pathlib.Path(args.out)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    write_report(report, args.out, plot)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import pathlib
 import tempfile
 import time
 import uuid
 
+from benchmarks import write_report
 from benchmarks.engine_throughput import PROMPTS, RESULTS, machine, save_figure
 
 NEGATIVE = "blurry, low quality"
@@ -194,11 +194,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "lora.json"))
     args = parser.parse_args()
     width, height = (int(side) for side in args.size.split("x"))
-    report = run((height, width), args.steps, args.rank, args.concurrency, args.repeats)
-    out = pathlib.Path(args.out)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    write_report(run((height, width), args.steps, args.rank, args.concurrency, args.repeats), args.out, plot)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from benchmarks import write_report
 from benchmarks.engine_throughput import REPO, RESULTS, machine, save_figure
 from omni_ray.api.client import connect_ray
 
@@ -260,10 +261,7 @@ def main() -> None:
     if args.edits:
         phases.append(phase("config.edit.yaml", args.edits, args.concurrency, edit=True))
     report = {"machine": machine(), "concurrency": args.concurrency, "max_growth_mb": MAX_GROWTH_MB, "phases": phases}
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, out.with_suffix(".png"))
+    write_report(report, args.out, plot)
     failed = False
     for p in phases:
         grown = {k: v for k, v in p["rss_growth_after_warmup_mb"].items() if v is not None and v >= MAX_GROWTH_MB}
@@ -274,7 +272,6 @@ def main() -> None:
         for problem in p["problems"]:
             print("  ", problem)
         failed |= bool(p["lost"] or grown or leftover)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
     raise SystemExit(1 if failed else 0)
 
 

@@ -12,10 +12,11 @@ builds Qwen-Image's VAE at full size with random weights (bf16 on a GPU). Writes
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import time
+
+from benchmarks import write_report
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -134,11 +135,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "vae.json"))
     args = parser.parse_args()
     width, height = (int(side) for side in args.image.split("x"))
-    report = run(args.size, width, height, args.batches, args.repeats)
-    out = pathlib.Path(args.out)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    write_report(run(args.size, width, height, args.batches, args.repeats), args.out, plot)
 
 
 if __name__ == "__main__":
