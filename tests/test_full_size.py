@@ -112,3 +112,17 @@ def test_vllm_takes_the_shipped_text_encoder_config(vision):
     assert model_config.get_hidden_size() == 3584
     assert model_config.get_vocab_size() == 152064
     assert model_config.is_multimodal_model
+
+
+def test_the_qwen_image_2512_presets_load_and_are_qwen_image_s_but_for_their_names():
+    """Qwen-Image-2512 publishes Qwen-Image's architecture (omni_ray/model_configs/README.md): its presets load, name
+    its checkpoint, and build from the shipped configs, whose parameter counts the dry run above checks."""
+    from omni_ray.config import load_config
+
+    presets = REPO / "stage_configs"
+    for name, twin in (("qwen_image_2512.yaml", "qwen_image.yaml"), ("qwen_image_2512_dummy.yaml",
+                                                                      "qwen_image_dummy.yaml")):
+        config, base = load_config(presets / name), load_config(presets / twin)
+        assert config.name.startswith("qwen-image-2512") and config.edit is None
+        assert config.model_dump(exclude={"name", "model"}) == base.model_dump(exclude={"name", "model"}), name
+    assert load_config(presets / "qwen_image_2512.yaml").model == "Qwen/Qwen-Image-2512"
