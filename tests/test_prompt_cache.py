@@ -84,5 +84,23 @@ def test_a_repeated_prompt_skips_vllm_and_returns_the_same_embeddings(tiny_dir):
         one_char, _, _ = encode(EncodeRequest("d", "a red cat on a hat"))
         assert core.num_encoded == 4 and not torch.equal(one_char.prompt.embeds[:first.prompt.num_tokens],
                                                          first.prompt.embeds[:one_char.prompt.num_tokens])
+
+        # The same new text arriving while it is encoded waits for it: one sequence in vLLM for three requests, one
+        # of which leaves; the others get equal embeddings, each its own tensor.
+        for request_id in ("e", "f", "g"):
+            core.add_request(EncodeRequest(request_id, "a lighthouse at dusk"))
+        assert len(core.sequences) == 1
+        core.abort_requests(["e"])  # the one that started it: the sequence goes on for the others
+        assert len(core.sequences) == 1
+        results = {}
+        while core.has_unfinished_requests():
+            results.update({o.request_id: o.pooling_output for o in core.step()})
+        assert sorted(results) == ["f", "g"] and core.num_encoded == 5
+        assert torch.equal(results["f"].prompt.embeds, results["g"].prompt.embeds)
+        assert results["f"].prompt.embeds.data_ptr() != results["g"].prompt.embeds.data_ptr()
+        for request_id in ("h", "i"):  # every reader gone: the sequence leaves vLLM
+            core.add_request(EncodeRequest(request_id, "a harbour in fog"))
+        core.abort_requests(["h", "i"])
+        assert not core.sequences and not core.running and not core.has_unfinished_requests()
     finally:
         core.shutdown()

@@ -3,12 +3,13 @@
 vLLM schedules and batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and
 the negative prompt for true CFG; for an edit each with the input image), and returns the request once all its
 texts are encoded, template dropped. A text whose embeddings are in the prompt cache (``encoder.cache_bytes``) is
-not encoded again.
+not encoded again, and one identical to a text vLLM is encoding waits for that one.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -35,6 +36,15 @@ class Part(enum.Enum):
     NEGATIVE = "negative"
 
 
+@dataclass(slots=True)
+class _Sequence:
+    """One text in vLLM, and the request parts waiting for its embeddings (several when identical texts arrived
+    while it ran)."""
+
+    key: bytes | None  # its prompt-cache key
+    readers: list[tuple[str, Part]]  # (request id, part)
+
+
 class EncoderEngineCore:
     def __init__(self, tokenizer: PromptTokenizer, encoder: SequenceEncoder, max_sequence_length: int = 512,
                  cache: PromptCache | None = None):
@@ -43,8 +53,8 @@ class EncoderEngineCore:
         self.max_sequence_length = max_sequence_length
         self.cache = cache  # texts encoded before: their embeddings without running the encoder
         self.pending: dict[str, dict[Part, PromptEmbeds | None]] = {}  # request id -> part -> embeds once done
-        self.sequences: dict[str, tuple[str, Part, bytes | None]] = {}  # sequence id -> (request id, part, cache
-        # key), while it runs
+        self.sequences: dict[str, _Sequence] = {}  # sequence id -> the text vLLM runs, while it runs
+        self.running: dict[bytes, str] = {}  # cache key -> the sequence id encoding it
         self.num_encoded = 0  # sequences the encoder ran
 
     def add_request(self, request: EncodeRequest) -> None:
@@ -58,19 +68,28 @@ class EncoderEngineCore:
             parts[part] = self.cache.get(key) if key is not None else None
             if parts[part] is not None:
                 continue
+            if key in self.running:  # the same text is being encoded: wait for it rather than encode it twice
+                self.sequences[self.running[key]].readers.append((request.request_id, part))
+                continue
             sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
-            self.sequences[sequence_id] = (request.request_id, part, key)
+            self.sequences[sequence_id] = _Sequence(key, [(request.request_id, part)])
+            if key is not None:
+                self.running[key] = sequence_id
             self.encoder.add(sequence_id, ids, request.image)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         aborted = set(request_ids)
-        sequences = [sid for sid, (request_id, _, _) in self.sequences.items() if request_id in aborted]
         for request_id in request_ids:
             self.pending.pop(request_id, None)
-        for sequence_id in sequences:
-            del self.sequences[sequence_id]
-        if sequences:
-            self.encoder.abort(sequences)
+        unread = []  # sequences no request waits for any more
+        for sequence_id, sequence in self.sequences.items():
+            sequence.readers = [reader for reader in sequence.readers if reader[0] not in aborted]
+            if not sequence.readers:
+                unread.append(sequence_id)
+        for sequence_id in unread:
+            self._forget(sequence_id)
+        if unread:
+            self.encoder.abort(unread)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
@@ -87,12 +106,13 @@ class EncoderEngineCore:
         for sequence_id, hidden in finished.items():
             if sequence_id not in self.sequences:  # aborted while vLLM ran it
                 continue
-            request_id, part, key = self.sequences.pop(sequence_id)
-            embeds = self.pending[request_id][part] = to_prompt_embeds(hidden, self.tokenizer.template,
-                                                                       self.max_sequence_length)
+            sequence = self._forget(sequence_id)
+            embeds = to_prompt_embeds(hidden, self.tokenizer.template, self.max_sequence_length)
             self.num_encoded += 1
-            if key is not None:
-                self.cache.put(key, embeds)
+            if sequence.key is not None:
+                self.cache.put(sequence.key, embeds)
+            for i, (request_id, part) in enumerate(sequence.readers):  # each reader its own tensor
+                self.pending[request_id][part] = embeds if i == 0 else PromptEmbeds(embeds.embeds.clone())
         outputs = []
         for request_id, parts in list(self.pending.items()):  # those the step finished, and cache hits
             if all(embeds is not None for embeds in parts.values()):
@@ -100,6 +120,12 @@ class EncoderEngineCore:
                 result = EncodedPrompt(prompt=parts[Part.PROMPT], negative=parts.get(Part.NEGATIVE))
                 outputs.append(EngineCoreOutput(request_id, result, "stop"))
         return outputs
+
+    def _forget(self, sequence_id: str) -> _Sequence:
+        sequence = self.sequences.pop(sequence_id)
+        if sequence.key is not None:
+            self.running.pop(sequence.key, None)
+        return sequence
 
     def shutdown(self) -> None:
         self.encoder.shutdown()
