@@ -283,7 +283,8 @@ class SamplingRecipe(_Frozen):
 
     num_inference_steps: PositiveInt | None = Field(None, description="Denoising steps (Lightning: 4 or 8).")
     true_cfg_scale: float | None = Field(
-        None, gt=0, description="True CFG scale; 1 turns true CFG off (Lightning's), whatever the negative prompt.",
+        None, ge=1, le=20, description="True CFG scale, within the API's range; 1 turns true CFG off (Lightning's), "
+        "whatever the negative prompt.",
     )
     scheduler: dict[str, bool | int | float | str | None] = Field(
         default_factory=dict,
