@@ -148,7 +148,7 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
     from omni_ray.records import DenoiseParams, Latents, PromptEmbeds
     from omni_ray.runners.attention import use_real_rope
     from omni_ray.runners.decode import VaeRunner
-    from omni_ray.runners.denoise import DenoiseRunner
+    from omni_ray.runners.denoise import DenoiseRunner, compile_blocks
     from omni_ray.runners.quantization import quantize_fp8
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try the script at a few layers
@@ -216,11 +216,11 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
     reference = {side: one_step_latents(runner, side) for side in sizes}
     for variant in [v for v in ("eager", "compiled", "fp8") if v in variants]:
         if variant == "compiled":
-            transformer.compile_repeated_blocks(dynamic=True)
+            compile_blocks(transformer)  # as dit.compile does
             report["compile_s"] = round(runner.warm_up(sizes[0], sizes[0], text_tokens), 1)
         if variant == "fp8":
             try:
-                quantize_fp8(transformer)
+                quantize_fp8(transformer)  # the compiled blocks compile again for the float8 weights
             except RuntimeError as err:  # no float8 tensor cores, or no torchao: say so and go on
                 report["fp8_skipped"] = str(err)
                 print(f"fp8 skipped: {err}", flush=True)

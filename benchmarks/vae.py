@@ -113,8 +113,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
     rows = report["rows"]
     batches = [row["batch"] for row in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label, style in (("decode_ours_s", "decode, ours", "o-"), ("decode_diffusers_s", "decode, diffusers", "o--"),
-                              ("encode_ours_s", "encode, ours", "s-"), ("encode_diffusers_s", "encode, diffusers", "s--")):
+    lines = (("decode_ours_s", "decode, ours", "o-"), ("decode_diffusers_s", "decode, diffusers", "o--"),
+             ("encode_ours_s", "encode, ours", "s-"), ("encode_diffusers_s", "encode, diffusers", "s--"))
+    for key, label, style in lines:
         ax.plot(batches, [1000 * row[key] / row["batch"] for row in rows], style, label=label)
     ax.set(xlabel="images per VAE call", ylabel="ms per image", xscale="log", yscale="log")
     ax.set_xticks(batches, [str(b) for b in batches])

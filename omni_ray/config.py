@@ -225,8 +225,9 @@ class DiTConfig(_StageConfig):
     compile: bool = Field(
         False,
         description="torch.compile each transformer block (regional compilation, diffusers' compile_repeated_blocks) "
-        "with dynamic shapes: the first steps of new shapes compile (tens of seconds), later ones run the compiled "
-        "code; layers with a LoRA adapter loaded run their update outside the compiled graph.",
+        "with dynamic shapes, at start: the replica steps requests.default_* alone, with true CFG and with padded "
+        "text before it is ready (tens of seconds; its stats' warmup_s), and every other size, batch size and text "
+        "length runs the same compiled code; layers with a LoRA adapter loaded run their update outside the graph.",
     )
     max_loras: PositiveInt = Field(
         4, description="LoRA adapters each DiT replica holds on its device at most; the least recently used idle one "
@@ -271,9 +272,10 @@ class EditConfig(_Frozen):
 # The FlowMatchEulerDiscreteScheduler settings a recipe may change (its config keys that shape the sigmas).
 RECIPE_SCHEDULER_KEYS = frozenset({
     "base_image_seq_len", "base_shift", "max_image_seq_len", "max_shift", "shift", "shift_terminal",
-    "time_shift_type", "use_dynamic_shifting", "invert_sigmas", "stochastic_sampling", "use_karras_sigmas",
-    "use_exponential_sigmas", "use_beta_sigmas", "num_train_timesteps",
-})
+    "time_shift_type", "use_dynamic_shifting", "invert_sigmas", "use_karras_sigmas", "use_exponential_sigmas",
+    "use_beta_sigmas", "num_train_timesteps",
+})  # not stochastic_sampling: its noise would come from the process's RNG, not the request's seed
+RECIPE_MAX_BYTES = 64 << 10
 RECIPE_FILE = "recipe.json"  # beside an adapter: in its folder, or as <file stem>.recipe.json
 
 
@@ -281,7 +283,8 @@ class SamplingRecipe(_Frozen):
     """How an adapter's authors sample with it (a few-step distillation such as Qwen-Image-Lightning): what a request
     naming the adapter gets for each field it does not set itself."""
 
-    num_inference_steps: PositiveInt | None = Field(None, description="Denoising steps (Lightning: 4 or 8).")
+    num_inference_steps: int | None = Field(None, ge=1, le=200, description="Denoising steps (Lightning: 4 or 8), "
+                                            "within the API's range.")
     true_cfg_scale: float | None = Field(
         None, ge=1, le=20, description="True CFG scale, within the API's range; 1 turns true CFG off (Lightning's), "
         "whatever the negative prompt.",
@@ -492,17 +495,26 @@ def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineC
     return parse_config(data, source=str(path))
 
 
-def read_recipe(path: str) -> SamplingRecipe | None:
-    """The sampling recipe beside an adapter (``recipe.json`` in its folder, or ``<file stem>.recipe.json`` beside
-    its file), or None; ValueError for one that is not a valid recipe."""
-    adapter = pathlib.Path(path).expanduser()
-    beside = adapter / RECIPE_FILE if adapter.is_dir() else adapter.with_name(f"{adapter.stem}.{RECIPE_FILE}")
-    if not beside.is_file():
-        return None
+def recipe_file(adapter_path: str) -> pathlib.Path:
+    """Where an adapter's sampling recipe lies: ``recipe.json`` in its folder, or ``<file stem>.recipe.json`` beside
+    its file (whether or not it is there)."""
+    adapter = pathlib.Path(adapter_path).expanduser()
+    return adapter / RECIPE_FILE if adapter.is_dir() else adapter.with_name(f"{adapter.stem}.{RECIPE_FILE}")
+
+
+def read_recipe(path: str | pathlib.Path) -> SamplingRecipe:
+    """The sampling recipe in the file at ``path`` (``recipe_file``'s); ValueError, naming neither the file nor its
+    folder, for one that cannot be read or is not a valid recipe."""
     try:
-        return SamplingRecipe.model_validate(json.loads(beside.read_text()))
-    except (ValueError, ValidationError) as err:
-        raise ValueError(f"{beside.name}: {describe(err) if isinstance(err, ValidationError) else err}") from None
+        with open(path, "rb") as file:
+            data = file.read(RECIPE_MAX_BYTES + 1)
+        if len(data) > RECIPE_MAX_BYTES:
+            raise ValueError(f"larger than {RECIPE_MAX_BYTES} bytes")
+        return SamplingRecipe.model_validate(json.loads(data))
+    except ValidationError as err:
+        raise ValueError(f"recipe file: {describe(err)}") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"recipe file: {err.strerror if isinstance(err, OSError) else err}") from None
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConfig:
@@ -515,9 +527,10 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
         raise ConfigError(f"{source}: {describe(err)}") from None
     loras = dict(config.loras)
     for name, entry in config.loras.items():
-        if entry.recipe is None:
+        beside = recipe_file(entry.path)
+        if entry.recipe is None and beside.is_file():  # the operator's own files: read where the preset is read
             try:
-                loras[name] = entry.model_copy(update={"recipe": read_recipe(entry.path)})
+                loras[name] = entry.model_copy(update={"recipe": read_recipe(beside)})
             except ValueError as err:
                 raise ConfigError(f"{source}: loras.{name}.recipe: {err}") from None
     config = config.model_copy(update={"loras": loras})

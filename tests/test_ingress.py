@@ -196,7 +196,9 @@ def test_a_run_time_adapter_s_recipe_fills_the_fields_a_request_leaves_out(confi
     assert client.post("/v1/images/generations", json=body).status_code == 200
     assert client.post("/v1/images/generations", json={**body, "num_inference_steps": 2, "true_cfg_scale": 2.0}
                        ).status_code == 200
-    recipe, own = (call.args[1] for call in stages.calls_to("denoise"))
+    assert client.post("/v1/images/generations", json={**body, "quality": "auto"}).status_code == 200
+    recipe, own, auto = (call.args[1] for call in stages.calls_to("denoise"))
+    assert auto.num_inference_steps == 3  # quality "auto", as SDKs send it, leaves the steps to the recipe
     assert (recipe.num_inference_steps, recipe.true_cfg, recipe.lora.name) == (3, False, "fast")
     assert recipe.scheduler == (("shift", 3.0), ("use_dynamic_shifting", False))
     assert (own.num_inference_steps, own.true_cfg, own.true_cfg_scale) == (2, True, 2.0)
@@ -296,6 +298,33 @@ def test_adapter_paths_outside_the_roots_are_refused_without_reading_them(config
     assert read == []  # nothing outside the root was read
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "inside.safetensors"})
     assert loaded.status_code == 200 and read == [str(root / "inside.safetensors")]  # relative: under the root
+
+
+def test_a_recipe_beside_a_run_time_adapter_is_read_only_under_the_roots(config, tmp_path, monkeypatch):
+    """A recipe.json that links outside ``lora.roots`` is refused like the adapter would be, unread; a bad one is a
+    400 naming ``lora_path`` that echoes no path; a good one rides with the adapter."""
+    root, outside = tmp_path / "adapters", tmp_path / "private"
+    root.mkdir(), outside.mkdir()
+    (outside / "secret.json").write_text('{"num_inference_steps": 4}')
+    recipes = {"linked": None, "bad": '{"num_inference_steps": 0}', "good": '{"num_inference_steps": 4}'}
+    for name, recipe in recipes.items():
+        (root / name).mkdir()
+        (root / name / "pytorch_lora_weights.safetensors").write_bytes(b"\x00" * 64)
+        if recipe is None:
+            (root / name / "recipe.json").symlink_to(outside / "secret.json")
+        else:
+            (root / name / "recipe.json").write_text(recipe)
+    monkeypatch.setattr(lora_module, "read_lora", lambda path, shapes: {})
+    client, stages = client_for(allowing_runtime_adapters(config, str(root)), ConfinedStages(root))
+    for name in ("linked", "bad"):
+        response = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name})
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (400, "lora_path"), name
+        assert str(tmp_path) not in json.dumps(error) and name not in error["message"].split("lora_path")[1]
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": "good"}).status_code == 200
+    client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "model": "good"})
+    (call,) = stages.calls_to("denoise")
+    assert call.args[1].num_inference_steps == 4
 
 
 class EstimatingStages(FakeStages):

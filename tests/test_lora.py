@@ -184,7 +184,7 @@ def test_a_bad_recipe_is_refused_naming_it(tiny_dir, adapters, tmp_path):
     shutil.copytree(adapters["A"], beside)
     (beside / "recipe.json").write_text('{"num_inference_steps": 0}')
     data.update(loras={"L": str(beside)})
-    with pytest.raises(ConfigError, match=r"loras.L.recipe: recipe.json: num_inference_steps: .*greater than 0"):
+    with pytest.raises(ConfigError, match=r"loras.L.recipe: recipe file: num_inference_steps: .*greater than or equal"):
         parse_config(data)
 
 

@@ -104,3 +104,56 @@ def test_a_repeated_prompt_skips_vllm_and_returns_the_same_embeddings(tiny_dir):
         assert not core.sequences and not core.running and not core.has_unfinished_requests()
     finally:
         core.shutdown()
+
+
+class FakeEncoder:
+    """A SequenceEncoder that refuses texts holding ``refused`` and whose step fails when told to: the core's
+    bookkeeping, not vLLM, is the subject."""
+
+    def __init__(self, refused: int):
+        self.refused, self.waiting, self.fail_next = refused, {}, False
+
+    def add(self, sequence_id, token_ids, image=None):
+        if self.refused in token_ids:
+            raise ValueError("refused")
+        self.waiting[sequence_id] = len(token_ids)
+
+    def abort(self, sequence_ids):
+        for sequence_id in sequence_ids:
+            self.waiting.pop(sequence_id, None)
+
+    def step(self):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("step failed")
+        done, self.waiting = self.waiting, {}
+        return {sequence_id: torch.ones(n, 8) for sequence_id, n in done.items()}
+
+    def shutdown(self):
+        pass
+
+
+def test_a_refused_text_leaves_nothing_behind_and_a_failed_step_spares_cached_requests(tiny_dir):
+    from omni_ray.engine.encoder_core import EncoderEngineCore
+    from omni_ray.engine.output import StepError
+    from omni_ray.runners.tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer(str(tiny_dir))
+    refused = min(set(tokenizer.tokenize("zebra")) - set(tokenizer.tokenize("a cat a dog")))  # only zebra's
+    core = EncoderEngineCore(tokenizer, FakeEncoder(refused), cache=PromptCache(1 << 20, "m", "t"))
+    with pytest.raises(ValueError):
+        core.add_request(EncodeRequest("a", "a cat", "zebra"))  # its prompt went to the encoder, then its negative
+    assert not core.pending and not core.sequences and not core.running and not core.encoder.waiting
+    core.add_request(EncodeRequest("b", "a cat"))  # the same text again: encoded, not left waiting on a ghost
+    assert list(core.encoder.waiting) == ["b/prompt"]
+    (done,) = core.step()
+    assert done.request_id == "b" and not core.has_unfinished_requests()
+
+    core.add_request(EncodeRequest("cached", "a cat"))
+    core.add_request(EncodeRequest("new", "a dog"))
+    core.encoder.fail_next = True
+    with pytest.raises(StepError) as info:
+        core.step()
+    assert info.value.request_ids == ["new"]  # the cached request did not need the failed step
+    core.abort_requests(info.value.request_ids)  # as the engine does with a failed step's requests
+    assert [o.request_id for o in core.step()] == ["cached"]

@@ -18,9 +18,8 @@ LIMITS = RequestLimits(default_width=64, default_height=64, min_side=32, max_sid
 
 
 def plan(image=None, timeout_s=5.0, **body):
-    request = parse_request({"prompt": "a cat", **body})
-    return GenerationPlan(request, 64, 64, 2, seed=10, image=image, timeout_s=timeout_s,
-                          true_cfg_scale=request.true_cfg_scale)
+    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=10, image=image,
+                          timeout_s=timeout_s)
 
 
 def run(stages, request, limits=LIMITS, output="pixels"):

@@ -199,7 +199,9 @@ def test_the_page_generates_with_progress_and_previews_and_names_a_bad_field(ser
         page.goto(served["base"] + "/")
         assert "qwen-image-tiny" in page.text_content("#model")
         page.fill("#size", "96x64")
-        page.fill("#num_inference_steps", "6")
+        # Enough steps that progress events reach the page in more than one network read: the tiny DiT steps a
+        # 96x64 image in milliseconds, and six steps' events could all arrive (and render) at once.
+        page.fill("#num_inference_steps", "40")
         page.fill("#seed", "5")
         page.fill("#prompt", "a lighthouse on a cliff at sunset")
         page.evaluate(WATCH)

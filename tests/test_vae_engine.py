@@ -41,8 +41,8 @@ def test_batched_decode_matches_one_at_a_time(decoder):
             continue
         alone = decoder.decode([item])[0]
         assert result.pixels.dtype == np.uint8 and result.pixels.shape == (item.height, item.width, 3)
-        # An image's pixels depend on its latents alone, not on what shared its VAE call (a batch of one is
-        # decoded as two on the CPU, where PyTorch's batch-of-one convolutions sum differently).
+        # An image's pixels depend on its latents alone, not on what shared its VAE call (channels-last
+        # convolutions: the same sums for a batch of one as for several, on this VAE).
         assert np.array_equal(result.pixels, alone)
     assert np.abs(results["d0"].pixels.astype(int) - results["d1"].pixels.astype(int)).max() > 10
 
@@ -112,3 +112,14 @@ def test_single_frame_vae_is_diffusers_vae_within_one_level(decoder, tiny_dir, b
     ours = torch.stack([item.latents for item in decoder.encode(images)])
     assert (ours - expected_latents).abs().max().item() < 1e-4
     assert torch.equal(decoder.encode(images[:1])[0].latents, ours[0])  # its batch-mates change nothing
+
+
+def test_the_runner_leaves_the_vae_it_was_built_from_as_it_was(tiny_dir):
+    """The 2-D modules are copies: their channels-last layout does not reach the diffusers VAE they came from (which a
+    benchmark times beside them)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    vae = AutoencoderKLQwenImage.from_pretrained(tiny_dir, subfolder="vae")
+    before = {name: (p.stride(), p.data_ptr()) for name, p in vae.named_parameters()}
+    VaeRunner(vae)
+    assert {name: (p.stride(), p.data_ptr()) for name, p in vae.named_parameters()} == before

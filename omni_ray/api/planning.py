@@ -32,13 +32,18 @@ class GenerationPlan:
     seed: int  # image i uses seed + i
     cache: CacheSettings | None = None  # the request's, or the preset's default
     lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
-    true_cfg_scale: float = 4.0  # the request's, or its adapter's recipe's when the request does not set it
+    true_cfg_scale: float | None = None  # the request's, or its adapter's recipe's when the request does not set it;
+    # None takes the request's
     scheduler: tuple[tuple[str, object], ...] = ()  # the adapter's recipe's scheduler settings, over the checkpoint's
     quality: str = "high"  # OpenAI's quality level the steps are nearest to: what responses name as used
     image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
     input_tokens: TokenCount = TokenCount(0)  # what the encoder reads: the prompt, and the negative with true CFG
     timeout_s: float = 600.0  # the request's deadline: its own `timeout`, or the preset's requests.timeout_s
     tenant: str = ""  # who the DiT shares steps fairly between: the caller's API key's name, or `user`
+
+    def __post_init__(self) -> None:
+        if self.true_cfg_scale is None:
+            object.__setattr__(self, "true_cfg_scale", self.request.true_cfg_scale)
 
     @property
     def true_cfg(self) -> bool:
@@ -113,7 +118,8 @@ def plan_request(
     if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
         raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
     steps = request.num_inference_steps or quality_steps(request.quality, config)
-    if recipe is not None and recipe.num_inference_steps and not given & {"num_inference_steps", "quality"}:
+    if recipe is not None and recipe.num_inference_steps and request.num_inference_steps is None \
+            and request.quality == "auto":  # the client may send quality "auto" itself, as SDKs do
         steps = recipe.num_inference_steps
     if request.timeout is not None and request.timeout > config.requests.timeout_s:
         raise RequestError(f"timeout: at most {config.requests.timeout_s:g} s here (requests.timeout_s)",

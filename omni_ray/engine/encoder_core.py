@@ -2,8 +2,8 @@
 
 vLLM schedules and batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and
 the negative prompt for true CFG; for an edit each with the input image), and returns the request once all its
-texts are encoded, template dropped. A text whose embeddings are in the prompt cache (``encoder.cache_bytes``) is
-not encoded again, and one identical to a text vLLM is encoding waits for that one.
+texts are encoded, template dropped. With the prompt cache on (``encoder.cache_bytes``), a text whose embeddings it
+holds is not encoded again, and one identical to a text vLLM is encoding waits for that one.
 """
 
 from __future__ import annotations
@@ -62,20 +62,30 @@ class EncoderEngineCore:
         if request.negative_prompt is not None:
             texts[Part.NEGATIVE] = request.negative_prompt
         token_ids = {part: self.tokenizer.tokenize(text) for part, text in texts.items()}
-        parts = self.pending[request.request_id] = dict.fromkeys(texts)
-        for part, ids in token_ids.items():
-            key = self.cache.key(ids, request.image) if self.cache is not None else None
-            parts[part] = self.cache.get(key) if key is not None else None
-            if parts[part] is not None:
-                continue
-            if key in self.running:  # the same text is being encoded: wait for it rather than encode it twice
-                self.sequences[self.running[key]].readers.append((request.request_id, part))
-                continue
-            sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
-            self.sequences[sequence_id] = _Sequence(key, [(request.request_id, part)])
-            if key is not None:
-                self.running[key] = sequence_id
-            self.encoder.add(sequence_id, ids, request.image)
+        self.pending[request.request_id] = dict.fromkeys(texts)
+        try:
+            for part, ids in token_ids.items():
+                self._add_text(request, part, ids)
+        except Exception:  # vLLM refused a text (its image, say): nothing of the request stays behind
+            self.abort_requests([request.request_id])
+            raise
+
+    def _add_text(self, request: EncodeRequest, part: Part, token_ids: list[int]) -> None:
+        """The text's embeddings from the cache; else it joins the identical text vLLM is encoding; else it goes to
+        vLLM."""
+        key = self.cache.key(token_ids, request.image) if self.cache is not None else None
+        reader = (request.request_id, part)
+        self.pending[request.request_id][part] = self.cache.get(key) if key is not None else None
+        if self.pending[request.request_id][part] is not None:
+            return
+        if key in self.running:
+            self.sequences[self.running[key]].readers.append(reader)
+            return
+        sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
+        self.encoder.add(sequence_id, token_ids, request.image)
+        self.sequences[sequence_id] = _Sequence(key, [reader])
+        if key is not None:
+            self.running[key] = sequence_id
 
     def abort_requests(self, request_ids: list[str]) -> None:
         aborted = set(request_ids)
@@ -101,8 +111,8 @@ class EncoderEngineCore:
         if self.sequences:
             try:
                 finished = self.encoder.step()
-            except Exception as err:  # vLLM may have run any of them
-                raise StepError(list(self.pending)) from err
+            except Exception as err:  # vLLM may have run any of its texts; requests served from the cache wait
+                raise StepError(sorted({rid for seq in self.sequences.values() for rid, _ in seq.readers})) from err
         for sequence_id, hidden in finished.items():
             if sequence_id not in self.sequences:  # aborted while vLLM ran it
                 continue

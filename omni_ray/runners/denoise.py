@@ -121,13 +121,7 @@ class DenoiseRunner:
         if quantization == "fp8":
             logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
         if compile:
-            # Without duck sizing, a size that happens to equal another (text tokens and a model width, image
-            # tokens and the head size) stays a size of its own instead of being tied to it and specialised: other
-            # image sizes, text lengths and batch sizes then run the same compiled code.
-            from torch.fx.experimental import _config as fx_config
-
-            fx_config.use_duck_shape = False
-            transformer.compile_repeated_blocks(dynamic=True)
+            compile_blocks(transformer)
         return cls(transformer, scheduler_config, teacache_coefficients, max_loras)
 
     def warm_up(self, height: int, width: int, text_tokens: int = 64) -> float:
@@ -320,6 +314,18 @@ class DenoiseRunner:
         return Latents(
             to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )
+
+
+def compile_blocks(transformer: QwenImageTransformer2DModel) -> None:
+    """``dit.compile``: each transformer block compiled (regional compilation), with dynamic shapes.
+
+    Without duck sizing, a size that happens to equal another (text tokens and a model width, image tokens and the
+    head size) stays a size of its own instead of being tied to it and specialised: other image sizes, text lengths
+    and batch sizes then run the same compiled code (``DenoiseRunner.warm_up`` compiles its three variants)."""
+    from torch.fx.experimental import _config as fx_config
+
+    fx_config.use_duck_shape = False
+    transformer.compile_repeated_blocks(dynamic=True)
 
 
 def predicted_clean(state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:

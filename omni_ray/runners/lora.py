@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from omni_ray.config import LoraEntry, read_recipe
+from omni_ray.config import LoraEntry, read_recipe, recipe_file
 from omni_ray.errors import RequestError
 from omni_ray.records import LoraKey, LoraRef
 
@@ -64,12 +64,15 @@ class AdapterFiles:
 
     def check(self, path: str, shapes: Mapping[str, tuple[int, int]]) -> LoraEntry:
         """A run-time adapter the transformer (``shapes``) can take: its resolved path and the sampling recipe beside
-        it (``config.read_recipe``); RequestError naming ``lora_path`` otherwise, without reading a file outside
-        ``roots``."""
+        it (``config.recipe_file``); RequestError naming ``lora_path`` otherwise, without reading a file outside
+        ``roots`` (the recipe's path is confined as the adapter's is)."""
         resolved = confine(path, self.roots)
         read_lora(resolved, shapes)
+        beside = recipe_file(resolved)
+        if not os.path.lexists(beside):
+            return LoraEntry(path=resolved)
         try:
-            return LoraEntry(path=resolved, recipe=read_recipe(resolved))
+            return LoraEntry(path=resolved, recipe=read_recipe(confine(str(beside), self.roots)))
         except ValueError as err:
             raise RequestError(f"lora_path: the adapter's {err}", param="lora_path") from None
 

@@ -15,6 +15,8 @@ the kernels differ, so float sums may round differently (the pixels stay within 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLQwenImage
@@ -70,7 +72,7 @@ class _Attention(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.norm, self.to_qkv, self.proj = _RMSNorm(block.norm), block.to_qkv, block.proj
+        self.norm, self.to_qkv, self.proj = _RMSNorm(block.norm), copy.deepcopy(block.to_qkv), copy.deepcopy(block.proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, channels, height, width = x.shape
@@ -87,7 +89,7 @@ class _Resample(nn.Module):
     def __init__(self, block: nn.Module):
         super().__init__()
         self.up = block.mode.startswith("upsample")
-        self.conv = block.resample[1]
+        self.conv = copy.deepcopy(block.resample[1])  # its own: the layout change must not reach the VAE given
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.up:

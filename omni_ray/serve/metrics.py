@@ -84,7 +84,7 @@ finish_estimate = metrics.Histogram(
 prompt_cache = metrics.Counter(
     "omni_encoder_prompt_cache_total",
     description="Texts the encoder looked up in its prompt-embedding cache, by outcome: hit (not encoded again) or "
-    "miss.",
+    "miss (encoded, or waiting for the identical text being encoded).",
     tag_keys=("stage", "outcome"),
 )
 prompt_cache_bytes = metrics.Gauge(
