@@ -63,17 +63,21 @@ class EncoderEngineCore:
             texts[Part.NEGATIVE] = request.negative_prompt
         token_ids = {part: self.tokenizer.tokenize(text) for part, text in texts.items()}
         self.pending[request.request_id] = dict.fromkeys(texts)
+        image_digest = None
+        if self.cache is not None and request.image is not None:
+            image_digest = self.cache.image_digest(request.image)
         try:
             for part, ids in token_ids.items():
-                self._add_text(request, part, ids)
+                self._add_text(request, part, ids, image_digest)
         except Exception:  # vLLM refused a text (its image, say): nothing of the request stays behind
             self.abort_requests([request.request_id])
             raise
 
-    def _add_text(self, request: EncodeRequest, part: Part, token_ids: list[int]) -> None:
+    def _add_text(self, request: EncodeRequest, part: Part, token_ids: list[int], image_digest: bytes | None
+                  ) -> None:
         """The text's embeddings from the cache; else it joins the identical text vLLM is encoding; else it goes to
         vLLM."""
-        key = self.cache.key(token_ids, request.image) if self.cache is not None else None
+        key = self.cache.key(token_ids, image_digest) if self.cache is not None else None
         reader = (request.request_id, part)
         self.pending[request.request_id][part] = self.cache.get(key) if key is not None else None
         if self.pending[request.request_id][part] is not None:

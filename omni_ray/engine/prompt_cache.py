@@ -30,12 +30,20 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def key(self, token_ids: list[int], image: np.ndarray | None = None) -> bytes:
+    def key(self, token_ids: list[int], image_digest: bytes | None = None) -> bytes:
+        """A text's key: its token ids, and for an edit its image's ``image_digest`` (made once per request: an
+        image of a million pixels takes milliseconds to hash, and a request has two texts)."""
         digest = hashlib.sha256(self._salt)
         digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-        if image is not None:
-            digest.update(repr((image.shape, image.dtype.str)).encode())
-            digest.update(np.ascontiguousarray(image).tobytes())
+        if image_digest is not None:
+            digest.update(image_digest)
+        return digest.digest()
+
+    @staticmethod
+    def image_digest(image: np.ndarray) -> bytes:
+        """A SHA-256 of an image's shape, dtype and pixels."""
+        digest = hashlib.sha256(repr((image.shape, image.dtype.str)).encode())
+        digest.update(np.ascontiguousarray(image).tobytes())
         return digest.digest()
 
     def get(self, key: bytes) -> PromptEmbeds | None:
