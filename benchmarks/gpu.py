@@ -2,7 +2,8 @@
 
     python -m benchmarks.gpu                          # on a machine with a CUDA GPU: every variant, JSON and a plot
     python -m benchmarks.gpu --profile                # where one step's time goes, by kernel class
-    python -m benchmarks.gpu --dry-run                # any machine: parameter counts and the shared preset's placement
+    python -m benchmarks.gpu --dry-run                # any machine: parameter counts (every published config folder)
+                                                      # and the shared preset's placement
 
 No checkpoint can be downloaded here, so both models are built from Qwen-Image's published architecture with random
 bf16 weights, directly on the GPU. For each size (512, 1024, 1328 square), true CFG on, the time of one denoising step
@@ -31,7 +32,7 @@ import pathlib
 import time
 
 from benchmarks import write_report
-from omni_ray.checkpoints.full_size import CONFIG_DIR, parameter_counts
+from omni_ray.checkpoints.full_size import BASE_CONFIGS, CONFIG_DIR, parameter_counts, published_configs
 from omni_ray.qwen_image import LATENT_CHANNELS, PUBLISHED_PARAMS, TEXT_HIDDEN, image_tokens
 from omni_ray.runners.gpu_costs import dit_pass_flops
 
@@ -315,15 +316,17 @@ SHARED_PRESET = "stage_configs/qwen_image_shared.yaml"
 
 def dry_run() -> dict:
     """The full-size models built on the meta device from the shipped configs: parameter counts against the
-    published ones; and the shared-GPU preset's placement check, stage by stage (any machine, a few seconds)."""
+    published ones (``params`` Qwen-Image's; ``params_by_configs`` each folder of omni_ray/model_configs', which
+    share Qwen-Image's shapes); and the shared-GPU preset's placement check, stage by stage (any machine, seconds)."""
     from dataclasses import asdict
 
     from omni_ray.config import load_config
     from omni_ray.placement import stage_memory
 
-    params = parameter_counts()
+    by_configs = {configs: parameter_counts(configs) for configs in published_configs()}
+    params = by_configs[BASE_CONFIGS]
     shared = load_config(pathlib.Path(__file__).resolve().parent.parent / SHARED_PRESET)  # raises if it cannot fit
-    return {"params": params, "published_params": PUBLISHED_PARAMS,
+    return {"params": params, "params_by_configs": by_configs, "published_params": PUBLISHED_PARAMS,
             "params_off_published": {name: round(params[name] / PUBLISHED_PARAMS[name] - 1, 5) for name in params},
             "placement": {"preset": SHARED_PRESET, "gpu_memory_gib": shared.gpu_memory_gib,
                           "stages": [{**asdict(estimate), "fits": estimate.fits}

@@ -13,10 +13,20 @@ import re
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from omni_ray.placement import check_placement
 from omni_ray.qwen_image import (
+    CONDITION_AREA,
     QWEN_IMAGE_TEACACHE,
     TEXT_TO_IMAGE,
     TOKENIZER_MAX_LENGTH,
@@ -252,21 +262,45 @@ class VAEConfig(_StageConfig):
 class EditConfig(_Frozen):
     """Image editing (a Qwen-Image-Edit checkpoint): how input images are taken."""
 
+    plus: bool = Field(
+        False,
+        description="A Qwen-Image-Edit-2509 or 2511 checkpoint (diffusers' QwenImageEditPlusPipeline): up to "
+        "max_images input images, each read by the encoder at condition_area pixels with Edit-Plus's prompt "
+        "template, and by the VAE at image_area; the output takes the last image's working size by default.",
+    )
+    max_images: int = Field(1, ge=1, le=3, description="Input images a request may bring (more than one: plus).")
     image_area: PositiveInt = Field(
         1024 * 1024,
         description="Pixels an input image is resized to, keeping its aspect ratio, sides rounded to multiples of "
-        "32: its working size, which the encoder and the VAE see and the output takes by default. diffusers' "
-        "QwenImageEditPipeline uses 1024x1024.",
+        "32: its working size, which the VAE (and, but with plus, the encoder) sees and the output takes by default. "
+        "diffusers' QwenImageEditPipeline and QwenImageEditPlusPipeline use 1024x1024.",
+    )
+    condition_area: PositiveInt = Field(
+        CONDITION_AREA,
+        description="plus only: pixels each input image is resized to for the encoder (Qwen2.5-VL), at its aspect "
+        "ratio, sides rounded to multiples of 32. diffusers uses 384x384.",
     )
     max_image_bytes: PositiveInt = Field(
         20 << 20, description="Largest input image file a request may upload; a larger one gets a 413."
     )
 
+    @field_validator("max_images")
+    @classmethod
+    def _one_image_but_with_plus(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and not info.data.get("plus"):
+            raise ValueError("Qwen-Image-Edit takes one image; several need an Edit-Plus checkpoint (plus: true)")
+        return value
+
+    @property
+    def pipeline(self) -> str:
+        """diffusers' pipeline class for the checkpoint."""
+        return "QwenImageEditPlusPipeline" if self.plus else "QwenImageEditPipeline"
+
     @property
     def max_vision_pixels(self) -> int:
-        """A bound on the pixels Qwen2.5-VL's processor sees: the working size with sides rounded to 28 (at most
-        (32 + 14) / 32 longer each, as sides are at least 32) stays within 4x the area."""
-        return 4 * self.image_area
+        """A bound on the pixels Qwen2.5-VL's processor sees in one image: its size for the encoder with sides
+        rounded to 28 (at most (32 + 14) / 32 longer each, as sides are at least 32) stays within 4x the area."""
+        return 4 * (self.condition_area if self.plus else self.image_area)
 
 
 # The FlowMatchEulerDiscreteScheduler settings a recipe may change (its config keys that shape the sigmas).
@@ -397,9 +431,14 @@ class PipelineConfig(_Frozen):
         None,
         description="Write this offline checkpoint to `model` on first start when the directory is missing: "
         "`tiny` or `small` (omni_ray.checkpoints.tiny, seed 0) for the CPU presets, `dummy` "
-        "(omni_ray.checkpoints.dummy: Qwen-Image's full-size configs and a tokenizer, no weights) for `weights: "
+        "(omni_ray.checkpoints.dummy: the full-size configs `configs` names and a tokenizer, no weights) for `weights: "
         "dummy`. The app builder, the in-process pipeline and `make` write it (omni_ray.checkpoints.ensure); "
         "loading a preset never does.",
+    )
+    configs: Literal["qwen-image", "qwen-image-edit-2511"] = Field(
+        "qwen-image",
+        description="The published configs (omni_ray/model_configs/<configs>/) a `build_if_missing: dummy` checkpoint "
+        "is written from, and the dry run checks.",
     )
     gpu_memory_gib: float | None = Field(
         None, gt=0,
@@ -431,8 +470,8 @@ class PipelineConfig(_Frozen):
     vae: VAEConfig = Field(default_factory=VAEConfig, description="Decoding stage.")
     edit: EditConfig | None = Field(
         None,
-        description="Set for a Qwen-Image-Edit checkpoint: the app serves /v1/images/edits (input image and prompt) "
-        "instead of /v1/images/generations.",
+        description="Set for a Qwen-Image-Edit checkpoint (edit.plus for Edit-2509/2511's): the app serves "
+        "/v1/images/edits (input images and prompt) instead of /v1/images/generations.",
     )
 
     @model_validator(mode="after")
@@ -468,7 +507,7 @@ class PipelineConfig(_Frozen):
     @property
     def prompt_template(self) -> PromptTemplate:
         """The checkpoint's prompt template: the edit one for Qwen-Image-Edit checkpoints."""
-        return template_for(edit=self.edit is not None)
+        return template_for(edit=self.edit is not None, plus=self.edit is not None and self.edit.plus)
 
     @property
     def is_local(self) -> bool:
@@ -551,15 +590,16 @@ def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
     if not index.is_file():
         raise ConfigError(
             f"{source}: model: {config.model!r} is not a checkpoint directory (no model_index.json); "
-            "build the tiny one with `python -m omni_ray.checkpoints.tiny DIR` (`--edit` for an edit checkpoint)"
+            "build the tiny one with `python -m omni_ray.checkpoints.tiny DIR` (`--edit` or `--edit-plus` for an edit "
+            "checkpoint)"
         )
     pipeline = json.loads(index.read_text()).get("_class_name")
-    expected = "QwenImageEditPipeline" if config.edit is not None else "QwenImagePipeline"
+    expected = config.edit.pipeline if config.edit is not None else "QwenImagePipeline"
     if pipeline != expected:
         raise ConfigError(
             f"{source}: model: {config.model!r} is a {pipeline} checkpoint, but this preset "
             f"{'edits' if config.edit is not None else 'generates'} images and needs a {expected} one "
-            f"(`edit:` is set for Qwen-Image-Edit checkpoints only)"
+            f"(`edit:` is set for Qwen-Image-Edit checkpoints only, `edit.plus` for Edit-2509/2511's)"
         )
 
 
@@ -569,7 +609,13 @@ def field_errors(err: ValidationError, unknown: str = "unknown field") -> list[t
     problems = []
     for error in err.errors():
         field = ".".join(str(part) for part in error["loc"]) or None
-        problems.append((field, unknown if error["type"] == "extra_forbidden" else error["msg"]))
+        if error["type"] == "extra_forbidden":
+            message = unknown
+        elif error["type"] == "value_error":  # our validators' own words, without pydantic's "Value error, "
+            message = str(error["ctx"]["error"])
+        else:
+            message = error["msg"]
+        problems.append((field, message))
     return problems
 
 

@@ -16,6 +16,8 @@ LATENT_CHANNELS = 64  # packed latent channels: the VAE's 16 channels x 2x2 patc
 TEXT_HIDDEN = 3584  # Qwen2.5-VL-7B's hidden size: the prompt embeddings' width
 VISION_PATCH = 28  # Qwen2.5-VL's vision tokens: 14-pixel patches merged 2x2
 EDIT_SIDE_MULTIPLE = 2 * SIZE_MULTIPLE  # an edit's input image sides, as diffusers' calculate_dimensions rounds them
+CONDITION_AREA = 384 * 384  # Edit-Plus: the pixels each input image has when Qwen2.5-VL reads it (diffusers'
+# CONDITION_IMAGE_SIZE); the VAE takes it at the edit's working area
 TOKENIZER_MAX_LENGTH = 1024  # diffusers' tokenizer_max_length for text to image; the template's tokens come on top
 
 
@@ -25,10 +27,11 @@ def image_tokens(height: int, width: int) -> int:
 
 
 def dit_work_tokens(height: int, width: int, text_tokens: int, true_cfg: bool,
-                    image_size: tuple[int, int] | None = None) -> int:
-    """Tokens one denoising step of an image pushes through the transformer: its image tokens, an edit's input image
-    tokens and its text tokens in every pass, two passes with true CFG. The DiT's unit of work (``max_batch_tokens``)."""
-    tokens = image_tokens(height, width) + text_tokens + (image_tokens(*image_size) if image_size else 0)
+                    image_sizes: tuple[tuple[int, int], ...] = ()) -> int:
+    """Tokens one denoising step of an image pushes through the transformer: its image tokens, an edit's input
+    images' tokens and its text tokens in every pass, two passes with true CFG. The DiT's unit of work
+    (``max_batch_tokens``)."""
+    tokens = image_tokens(height, width) + text_tokens + sum(image_tokens(*size) for size in image_sizes)
     return tokens * (2 if true_cfg else 1)
 
 
@@ -60,6 +63,12 @@ class PromptTemplate:
     text: str  # "{}" marks the prompt
     drop: int  # diffusers' prompt_template_encode_start_idx: the system turn and the user turn's opening
     truncates: bool  # text to image cuts tokens at 1024 + drop and embeddings at max_sequence_length; edit neither
+    picture: str = ""  # Edit-Plus: what stands for each input image before the prompt ("{}" marks its number)
+
+    def format(self, prompt: str, num_images: int = 0) -> str:
+        """The templated text of ``prompt`` (Edit-Plus: with ``num_images`` pictures before it); one
+        ``<|image_pad|>`` token stands for each image."""
+        return self.text.format("".join(self.picture.format(i + 1) for i in range(num_images)) + prompt)
 
     @property
     def dropped_text(self) -> str:
@@ -68,7 +77,12 @@ class PromptTemplate:
 
     @property
     def has_image(self) -> bool:
-        return IMAGE_PLACEHOLDER in self.text
+        return IMAGE_PLACEHOLDER in self.text or bool(self.picture)
+
+    @property
+    def key(self) -> str:
+        """What tells templates apart (the prompt cache's key): its text, and Edit-Plus's picture label."""
+        return self.text + self.picture
 
 
 # diffusers' QwenImagePipeline.prompt_template_encode and prompt_template_encode_start_idx.
@@ -88,12 +102,18 @@ EDIT = PromptTemplate(
     drop=64,
     truncates=False,
 )
-TEMPLATES = (TEXT_TO_IMAGE, EDIT)
+# diffusers' QwenImageEditPlusPipeline's (Qwen-Image-Edit-2509 and 2511): Edit's system turn, and each input image
+# as "Picture i: " and its placeholder before the prompt, in the user turn.
+EDIT_PLUS = PromptTemplate(
+    EDIT.text.replace(IMAGE_PLACEHOLDER, ""), drop=64, truncates=False, picture="Picture {}: " + IMAGE_PLACEHOLDER
+)
+TEMPLATES = (TEXT_TO_IMAGE, EDIT, EDIT_PLUS)
 
 
-def template_for(edit: bool) -> PromptTemplate:
-    """The prompt template of a Qwen-Image (``edit`` False) or Qwen-Image-Edit checkpoint."""
-    return EDIT if edit else TEXT_TO_IMAGE
+def template_for(edit: bool, plus: bool = False) -> PromptTemplate:
+    """The prompt template of a Qwen-Image (``edit`` False), Qwen-Image-Edit or (``plus``) Qwen-Image-Edit-2509/2511
+    checkpoint."""
+    return (EDIT_PLUS if plus else EDIT) if edit else TEXT_TO_IMAGE
 
 
 # TeaCache's rescaling polynomial for Qwen-Image (highest power first), as vLLM-Omni ships it

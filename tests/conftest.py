@@ -24,6 +24,17 @@ def edit_dir(tmp_path_factory) -> pathlib.Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def edit_plus_dir(tmp_path_factory) -> pathlib.Path:
+    """The tiny Edit-Plus checkpoint (seed 0; Qwen-Image-Edit-2509's pipeline class), written by the command users
+    run: `python -m omni_ray.checkpoints.tiny --edit-plus DIR`."""
+    from omni_ray.checkpoints.tiny import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-edit-plus"
+    main([str(out), "--edit-plus"])
+    return out
+
+
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
     """The tiny checkpoint's DiT runner, one per test module (the engine and cache tests)."""

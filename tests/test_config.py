@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import yaml
@@ -108,6 +109,35 @@ def test_tiny_edit_preset_builds_an_edit_checkpoint_when_missing(tmp_path):
     assert config.edit.image_area == 128 * 128
 
 
+def test_tiny_edit_plus_preset_builds_an_edit_plus_checkpoint_when_missing(tmp_path):
+    config = load_config(PRESETS / "qwen_image_edit_plus_tiny.yaml", model=str(tmp_path / "built"))
+    checkpoints.ensure(config)
+    index = json.loads((tmp_path / "built" / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline" and (tmp_path / "built" / "processor").is_dir()
+    assert (config.edit.max_images, config.edit.image_area, config.edit.condition_area) == (3, 128 * 128, 64 * 64)
+
+
+def test_several_images_need_an_edit_plus_preset():
+    data = yaml.safe_load((PRESETS / "qwen_image_edit.yaml").read_text())
+    data["edit"]["max_images"] = 2
+    with pytest.raises(ConfigError, match=r"^preset\.yaml: edit\.max_images: "):
+        parse_config(data, source="preset.yaml")
+    data["edit"]["plus"] = True
+    assert parse_config(data).edit.max_images == 2
+
+
+@pytest.mark.parametrize(("preset", "checkpoint", "has", "needs"), [
+    ("qwen_image_edit_plus_tiny.yaml", "edit_dir", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
+    ("qwen_image_edit_tiny.yaml", "edit_plus_dir", "QwenImageEditPlusPipeline", "QwenImageEditPipeline"),
+])
+def test_an_edit_preset_refuses_the_other_edit_pipeline_s_checkpoint_naming_model(preset, checkpoint, has, needs,
+                                                                                   request):
+    model = request.getfixturevalue(checkpoint)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(PRESETS / preset))}: model: .* is a {has} checkpoint, "
+                       rf".* needs a {needs} one"):
+        load_config(PRESETS / preset, model=str(model))
+
+
 def test_directory_without_checkpoint_is_rejected(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="no model_index.json"):
         load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tmp_path))
@@ -137,7 +167,10 @@ def test_every_preset_validates():
     presets = sorted(PRESETS.glob("*.yaml"))
     assert {p.name for p in presets} >= {"qwen_image.yaml", "qwen_image_tiny.yaml", "qwen_image_edit.yaml",
                                          "qwen_image_edit_tiny.yaml", "qwen_image_sim.yaml",
-                                         "qwen_image_dummy.yaml", "qwen_image_edit_dummy.yaml"}
+                                         "qwen_image_dummy.yaml", "qwen_image_edit_dummy.yaml",
+                                         "qwen_image_edit_plus.yaml", "qwen_image_edit_plus_tiny.yaml",
+                                         "qwen_image_edit_plus_dummy.yaml", "qwen_image_edit_2511.yaml",
+                                         "qwen_image_edit_2511_dummy.yaml"}
     for path in presets:
         data = yaml.safe_load(path.read_text())
         data["model"] = "Qwen/Qwen-Image"  # the checkpoint may not be built here; the rest must validate

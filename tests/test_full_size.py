@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from omni_ray.checkpoints.full_size import CONFIG_DIR
+from omni_ray.checkpoints.full_size import CONFIG_DIR, published_configs
 from omni_ray.qwen_image import PUBLISHED_PARAMS
 
 
@@ -22,6 +22,8 @@ def test_gpu_dry_run_builds_the_full_size_models_with_the_published_parameter_co
     assert set(report["params"]) == {"transformer", "vae", "text_encoder"}
     for name, count in report["params"].items():
         assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, name
+    assert list(report["params_by_configs"]) == published_configs() == ["qwen-image", "qwen-image-edit-2511"]
+    assert all(params == report["params"] for params in report["params_by_configs"].values())
     assert 20.3e9 < report["params"]["transformer"] < 20.5e9
     placement = report["placement"]
     assert placement["preset"] == "stage_configs/qwen_image_shared.yaml"
@@ -126,3 +128,47 @@ def test_the_qwen_image_2512_presets_load_and_are_qwen_image_s_but_for_their_nam
         assert config.name.startswith("qwen-image-2512") and config.edit is None
         assert config.model_dump(exclude={"name", "model"}) == base.model_dump(exclude={"name", "model"}), name
     assert load_config(presets / "qwen_image_2512.yaml").model == "Qwen/Qwen-Image-2512"
+
+
+def test_the_edit_plus_and_2511_presets_load_and_are_edit_plus_presets_over_qwen_image_s_architecture(tmp_path):
+    """Qwen-Image-Edit-2509 and 2511 are QwenImageEditPlusPipeline checkpoints with Qwen-Image's architecture, 2511's
+    transformer with `zero_cond_t: true` (omni_ray/model_configs/README.md): their presets load, take up to three
+    images, differ from each other only in their names, checkpoints and configs, and their dummy checkpoints are
+    written in the Edit-Plus layout from configs with the published parameter counts."""
+    import typing
+
+    from omni_ray import checkpoints
+    from omni_ray.checkpoints.full_size import build_meta, parameter_counts, write_configs
+    from omni_ray.config import PipelineConfig, load_config
+
+    assert list(typing.get_args(PipelineConfig.model_fields["configs"].annotation)) == published_configs()
+    presets = REPO / "stage_configs"
+    for name in ("qwen_image_edit_plus", "qwen_image_edit_plus_dummy", "qwen_image_edit_plus_tiny",
+                 "qwen_image_edit_2511", "qwen_image_edit_2511_dummy"):
+        config = load_config(presets / f"{name}.yaml")
+        assert (config.edit.plus, config.edit.max_images, config.edit.pipeline) == (
+            True, 3, "QwenImageEditPlusPipeline"), name
+        assert config.configs == ("qwen-image-edit-2511" if name == "qwen_image_edit_2511_dummy" else "qwen-image")
+    for name, twin, fields in (("qwen_image_edit_2511", "qwen_image_edit_plus", {"name", "model"}),
+                               ("qwen_image_edit_2511_dummy", "qwen_image_edit_plus_dummy",
+                                {"name", "model", "configs"})):
+        config, base = load_config(presets / f"{name}.yaml"), load_config(presets / f"{twin}.yaml")
+        assert config.model_dump(exclude=fields) == base.model_dump(exclude=fields), name
+    assert load_config(presets / "qwen_image_edit_plus.yaml").model == "Qwen/Qwen-Image-Edit-2509"
+    assert load_config(presets / "qwen_image_edit_2511.yaml").model == "Qwen/Qwen-Image-Edit-2511"
+
+    for name, zero_cond_t in (("qwen_image_edit_plus_dummy", False), ("qwen_image_edit_2511_dummy", True)):
+        model = tmp_path / name
+        checkpoints.ensure(load_config(presets / f"{name}.yaml", model=str(model)))
+        assert json.loads((model / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline"
+        assert (model / "processor").is_dir() and not list(model.rglob("*.safetensors"))
+        assert json.loads((model / "transformer/config.json").read_text())["zero_cond_t"] is zero_cond_t, name
+        for component in ("vae", "text_encoder", "scheduler"):  # only the transformer's config differs
+            assert {p.name: p.read_bytes() for p in (model / component).iterdir()} == {
+                p.name: p.read_bytes() for p in (CONFIG_DIR / component).iterdir()}, (name, component)
+
+    assert build_meta(write_configs("qwen-image-edit-2511", tmp_path / "2511"))["transformer"].zero_cond_t
+    counts = parameter_counts("qwen-image-edit-2511")
+    assert counts == parameter_counts()  # zero_cond_t adds no parameters
+    for name, count in counts.items():
+        assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, name

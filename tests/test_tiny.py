@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omni_ray.checkpoints.tiny import IMAGE_PROCESSOR_CONFIG, SCHEDULER_CONFIG, write_checkpoint
-from omni_ray.qwen_image import EDIT, TEXT_TO_IMAGE
+from omni_ray.qwen_image import EDIT, EDIT_PLUS, TEXT_TO_IMAGE
 
 LAYOUT = {"model_index.json", "scheduler", "text_encoder", "tokenizer", "transformer", "vae"}
 
@@ -49,15 +49,15 @@ def test_layout_and_configs(tiny_dir):
     assert text["hidden_size"] // text["num_attention_heads"] >= 32
 
 
-@pytest.mark.parametrize("template", [TEXT_TO_IMAGE, EDIT], ids=["text-to-image", "edit"])
+@pytest.mark.parametrize("template", [TEXT_TO_IMAGE, EDIT, EDIT_PLUS], ids=["text-to-image", "edit", "edit-plus"])
 def test_template_prefix_is_as_many_tokens_as_diffusers_drops(tiny_dir, template):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
     prefix = tokenizer(template.dropped_text).input_ids
-    assert len(prefix) == template.drop == {TEXT_TO_IMAGE: 34, EDIT: 64}[template]
+    assert len(prefix) == template.drop == {TEXT_TO_IMAGE: 34, EDIT: 64, EDIT_PLUS: 64}[template]
     # A templated prompt starts with the same tokens whatever the prompt, so dropping them drops the system turn.
-    full = tokenizer(template.text.format("a red cat")).input_ids
+    full = tokenizer(template.format("a red cat", num_images=1)).input_ids
     assert full[: template.drop] == prefix and len(full) > template.drop
 
 
@@ -82,6 +82,29 @@ def test_edit_checkpoint_loads_in_diffusers_and_edits(edit_dir):
     source = Image.fromarray((torch.rand(48, 80, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
     image = pipe(image=source, prompt="make it red", height=64, width=96, num_inference_steps=2, output_type="np",
                  generator=torch.Generator("cpu").manual_seed(0)).images
+    assert image.shape == (1, 64, 96, 3) and image.std() > 0.05
+
+
+def test_edit_plus_checkpoint_is_the_edit_one_under_qwen_image_edit_plus_pipeline(edit_plus_dir, edit_dir):
+    """Qwen-Image-Edit-2509/2511's pipeline takes Qwen-Image-Edit's components: the files are the edit checkpoint's
+    but for the class named in model_index.json, and diffusers edits with several input images on it."""
+    from diffusers import QwenImageEditPlusPipeline
+    from PIL import Image
+
+    assert {p.name for p in edit_plus_dir.iterdir()} == LAYOUT | {"processor"}
+    index = json.loads((edit_plus_dir / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline"
+    assert index == {**json.loads((edit_dir / "model_index.json").read_text()), "_class_name": index["_class_name"]}
+    plus, edit = digests(edit_plus_dir), digests(edit_dir)
+    assert plus.keys() == edit.keys()
+    assert all(plus[name] == edit[name] for name in edit if name != "model_index.json")
+
+    pipe = QwenImageEditPlusPipeline.from_pretrained(edit_plus_dir)
+    generator = torch.Generator().manual_seed(0)
+    sources = [Image.fromarray((torch.rand(h, w, 3, generator=generator) * 255).byte().numpy())
+               for h, w in ((48, 80), (64, 64))]
+    image = pipe(image=sources, prompt="put the two together", height=64, width=96, num_inference_steps=2,
+                 output_type="np", generator=torch.Generator("cpu").manual_seed(0)).images
     assert image.shape == (1, 64, 96, 3) and image.std() > 0.05
 
 

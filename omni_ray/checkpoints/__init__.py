@@ -1,7 +1,7 @@
 """Offline checkpoints in diffusers' layout, and the one step that writes the one a preset names.
 
-``tiny`` writes a small random Qwen-Image (the CPU presets and the tests), ``dummy`` Qwen-Image's full-size configs
-without weights (``weights: dummy``), ``full_size`` holds the published configs. Loading a preset never writes;
+``tiny`` writes a small random Qwen-Image (the CPU presets and the tests), ``dummy`` the full-size published configs
+without weights (``weights: dummy``), ``full_size`` holds those configs. Loading a preset never writes;
 ``ensure`` does, and the app builder, the in-process pipeline and ``make`` call it.
 """
 
@@ -19,13 +19,14 @@ def ensure(config: PipelineConfig) -> PipelineConfig:
         return config
     model_dir = pathlib.Path(config.model)
     edit = config.edit is not None
+    plus = edit and config.edit.plus
     if config.build_if_missing == "dummy" and not model_dir.exists():
         from omni_ray.checkpoints.dummy import write_dummy_checkpoint
 
-        write_dummy_checkpoint(model_dir, edit=edit)
+        write_dummy_checkpoint(model_dir, edit=edit, plus=plus, configs=config.configs)
     elif config.build_if_missing and not model_dir.exists():
         from omni_ray.checkpoints.tiny import write_checkpoint
 
-        write_checkpoint(model_dir, seed=0, size=config.build_if_missing, edit=edit)
+        write_checkpoint(model_dir, seed=0, size=config.build_if_missing, edit=edit, plus=plus)
     check_checkpoint(config)
     return config

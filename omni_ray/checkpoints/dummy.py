@@ -3,6 +3,8 @@
     python -m omni_ray.checkpoints.dummy OUT_DIR             # Qwen-Image's real architecture (omni_ray/model_configs)
     python -m omni_ray.checkpoints.dummy OUT_DIR --layers 1  # the same widths, 1 transformer block, 1 encoder layer
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit      # Qwen-Image-Edit's layout: the same, plus processor/
+    python -m omni_ray.checkpoints.dummy OUT_DIR --edit-plus # Qwen-Image-Edit-2509's: as --edit, Edit-Plus's pipeline
+    python -m omni_ray.checkpoints.dummy OUT_DIR --edit-plus --configs qwen-image-edit-2511  # 2511's: zero_cond_t
 
 The directory is in diffusers' layout with every component's config and no weight file; a preset with
 ``weights: dummy`` builds each stage from it with random weights on its device, in its dtype (the encoder through
@@ -23,7 +25,7 @@ import os
 import pathlib
 import shutil
 
-from omni_ray.checkpoints.full_size import CONFIG_DIR
+from omni_ray.checkpoints.full_size import BASE_CONFIGS, published_configs, write_configs
 
 QWEN_REGULAR_TOKENS = 151_643  # Qwen2's vocabulary before its special tokens
 
@@ -52,16 +54,20 @@ def qwen_sized_tokenizer():
     return tokenizer
 
 
-def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = None, edit: bool = False
-                           ) -> pathlib.Path:
-    """Writes the shipped configs (with ``layers`` transformer blocks, language-model layers and vision blocks, if
-    given) and the tokenizer to ``out_dir``; no weights. ``edit`` writes Qwen-Image-Edit's layout: its pipeline
-    class and Qwen2.5-VL's processor (``processor/``) for the vision path; Qwen-Image-Edit's transformer, VAE and
-    text encoder have Qwen-Image's architecture."""
+def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = None, edit: bool = False,
+                           plus: bool = False, configs: str = BASE_CONFIGS) -> pathlib.Path:
+    """Writes the published configs ``configs`` names (omni_ray/model_configs; with ``layers`` transformer blocks,
+    language-model layers and vision blocks, if given) and the tokenizer to ``out_dir``; no weights. ``edit`` writes
+    Qwen-Image-Edit's layout: its pipeline class and Qwen2.5-VL's processor (``processor/``) for the vision path;
+    ``plus`` (with ``edit``) names Qwen-Image-Edit-2509's and 2511's pipeline class, ``QwenImageEditPlusPipeline``,
+    instead. The edit checkpoints' transformer, VAE and text encoder have Qwen-Image's architecture (2511's
+    transformer sets ``zero_cond_t``: ``configs="qwen-image-edit-2511"``)."""
+    if plus and not edit:
+        raise ValueError("plus: an Edit-Plus checkpoint is an edit one; set edit as well")
     out = pathlib.Path(out_dir).expanduser()
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(CONFIG_DIR, partial, ignore=shutil.ignore_patterns("tokenizer"))
+    write_configs(configs, partial, ignore=shutil.ignore_patterns("tokenizer"))
     if layers is not None:
         _edit(partial / "transformer" / "config.json", lambda c: c.update(num_layers=layers))
         _edit(partial / "text_encoder" / "config.json", lambda c: (c["text_config"].update(
@@ -73,8 +79,9 @@ def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = Non
         from omni_ray.checkpoints.tiny import build_processor
 
         build_processor(tokenizer).save_pretrained(partial / "processor")
+        pipeline = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
         _edit(partial / "model_index.json", lambda c: c.update(
-            _class_name="QwenImageEditPipeline", processor=["transformers", "Qwen2VLProcessor"]))
+            _class_name=pipeline, processor=["transformers", "Qwen2VLProcessor"]))
     try:
         partial.rename(out)  # whole or not at all: replicas starting together see a complete directory
     except OSError:  # another process wrote it first
@@ -94,10 +101,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="transformer blocks, language-model layers and vision blocks (default: Qwen-Image's "
                         "60, 28 and 32)")
-    parser.add_argument("--edit", action="store_true", help="Qwen-Image-Edit's layout (with processor/)")
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--edit", action="store_true", help="Qwen-Image-Edit's layout (with processor/)")
+    layout.add_argument("--edit-plus", action="store_true",
+                        help="Qwen-Image-Edit-2509's and 2511's layout (QwenImageEditPlusPipeline, with processor/)")
+    parser.add_argument("--configs", choices=published_configs(), default=BASE_CONFIGS,
+                        help="the published configs to write (omni_ray/model_configs/<configs>/ over qwen-image/'s)")
     args = parser.parse_args(argv)
-    out = write_dummy_checkpoint(args.out_dir, args.layers, args.edit)
-    print(f"wrote a weightless Qwen-Image{'-Edit' if args.edit else ''} to {out}")
+    edit = args.edit or args.edit_plus
+    out = write_dummy_checkpoint(args.out_dir, args.layers, edit=edit, plus=args.edit_plus, configs=args.configs)
+    kind = "Qwen-Image-Edit-2509/2511" if args.edit_plus else "Qwen-Image-Edit" if args.edit else "Qwen-Image"
+    print(f"wrote a weightless {kind} ({args.configs} configs) to {out}")
 
 
 if __name__ == "__main__":

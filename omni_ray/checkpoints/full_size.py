@@ -6,6 +6,10 @@ heads of 128, joint attention dim 3584, 64 input channels), ``vae/config.json`` 
 tokenizer's settings, as published with Qwen/Qwen-Image; they were written through diffusers' and transformers'
 own config classes, whose defaults for these models are the published ones. Nothing here downloads anything.
 
+Other checkpoint families differ from Qwen-Image in a few files: their folder beside it in ``model_configs/``
+holds only those (``qwen-image-edit-2511/``: the transformer's ``zero_cond_t: true``), and ``write_configs`` lays
+them over Qwen-Image's.
+
 ``build_meta`` builds the three models on the meta device (no memory, a second) so that their sizes can be checked
 anywhere, against the published parameter counts (``omni_ray.qwen_image.PUBLISHED_PARAMS``).
 """
@@ -13,9 +17,30 @@ anywhere, against the published parameter counts (``omni_ray.qwen_image.PUBLISHE
 from __future__ import annotations
 
 import pathlib
+import shutil
+import tempfile
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "model_configs" / "qwen-image"
+MODEL_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "model_configs"
+BASE_CONFIGS = "qwen-image"
+CONFIG_DIR = MODEL_CONFIGS / BASE_CONFIGS
 
+
+def published_configs() -> list[str]:
+    """The names of the published config folders (``PipelineConfig.configs``'s values), Qwen-Image's first."""
+    others = sorted(p.name for p in MODEL_CONFIGS.iterdir() if p.is_dir() and p.name != BASE_CONFIGS)
+    return [BASE_CONFIGS, *others]
+
+
+def write_configs(configs: str, out: str | pathlib.Path, ignore=None) -> pathlib.Path:
+    """Writes the published configs ``configs`` names to ``out``: Qwen-Image's, with the files of
+    ``model_configs/<configs>/`` over them. ``ignore`` is ``shutil.copytree``'s."""
+    if configs not in published_configs():
+        raise ValueError(f"configs must be one of {published_configs()}, got {configs!r}")
+    out = pathlib.Path(out)
+    shutil.copytree(CONFIG_DIR, out, ignore=ignore)
+    if configs != BASE_CONFIGS:
+        shutil.copytree(MODEL_CONFIGS / configs, out, ignore=ignore, dirs_exist_ok=True)
+    return out
 
 
 def build_meta(config_dir: str | pathlib.Path = CONFIG_DIR) -> dict:
@@ -35,5 +60,8 @@ def build_meta(config_dir: str | pathlib.Path = CONFIG_DIR) -> dict:
         }
 
 
-def parameter_counts(config_dir: str | pathlib.Path = CONFIG_DIR) -> dict[str, int]:
-    return {name: sum(p.numel() for p in model.parameters()) for name, model in build_meta(config_dir).items()}
+def parameter_counts(configs: str = BASE_CONFIGS) -> dict[str, int]:
+    """The transformer's, VAE's and text encoder's parameter counts under the published configs ``configs``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        models = build_meta(write_configs(configs, pathlib.Path(tmp) / configs))
+        return {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}

@@ -1,12 +1,13 @@
 """Write a randomly initialised Qwen-Image (or Qwen-Image-Edit) checkpoint offline, in diffusers' on-disk layout.
 
-    python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit]
+    python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit | --edit-plus]
 
 The folders are the ones ``Qwen/Qwen-Image`` ships (``model_index.json``, ``scheduler/``, ``text_encoder/``,
 ``tokenizer/``, ``transformer/``, ``vae/``), so ``QwenImagePipeline.from_pretrained(OUT_DIR)`` loads it and vLLM
 loads ``text_encoder/`` as a Qwen2.5-VL model. ``--edit`` writes ``Qwen/Qwen-Image-Edit``'s layout instead: the same
-folders plus ``processor/`` (Qwen2.5-VL's processor, for the vision path), loaded by ``QwenImageEditPipeline``.
-Only the sizes are small:
+folders plus ``processor/`` (Qwen2.5-VL's processor, for the vision path), loaded by ``QwenImageEditPipeline``;
+``--edit-plus`` writes the same files under the pipeline class of ``Qwen/Qwen-Image-Edit-2509`` and 2511,
+``QwenImageEditPlusPipeline``, which takes the same components. Only the sizes are small:
 
 - the tokenizer is a byte-level BPE trained here on a small corpus, so that the dropped prefixes of diffusers'
   prompt templates tokenise to 34 (text to image) and 64 (edit) tokens, as they do with Qwen's own vocabulary;
@@ -104,9 +105,9 @@ def build_tokenizer():
         show_progress=False,
     )
     # The templates' text is repeated so that each of its words becomes one token, as in Qwen's vocabulary.
-    template_texts = [
+    template_texts = list(dict.fromkeys(  # Edit-Plus drops Edit's system turn
         template.dropped_text.replace("<|im_start|>", "").replace("<|im_end|>", "") for template in TEMPLATES
-    ]
+    ))
     bpe.train_from_iterator(template_texts * 64 + list(_CORPUS) * 8 + ["assistant\n"] * 64, trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
@@ -251,13 +252,21 @@ def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def write_checkpoint(
-    out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny", edit: bool = False
+    out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny", edit: bool = False, plus: bool = False
 ) -> pathlib.Path:
-    """Writes the checkpoint (an edit one with ``edit``) to ``out_dir`` and returns its path."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImagePipeline
+    """Writes the checkpoint (an edit one with ``edit``, an Edit-Plus one with ``plus`` as well) to ``out_dir`` and
+    returns its path."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImageEditPlusPipeline,
+        QwenImagePipeline,
+    )
 
     if size not in TRANSFORMER_SIZES:
         raise ValueError(f"size must be one of {sorted(TRANSFORMER_SIZES)}, got {size!r}")
+    if plus and not edit:
+        raise ValueError("plus: an Edit-Plus checkpoint is an edit one; set edit as well")
     out = pathlib.Path(out_dir)
     tokenizer = build_tokenizer()
     components = dict(
@@ -268,7 +277,8 @@ def write_checkpoint(
         transformer=build_transformer(size, seed),
     )
     if edit:
-        pipe = QwenImageEditPipeline(processor=build_processor(tokenizer), **components)
+        pipeline = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+        pipe = pipeline(processor=build_processor(tokenizer), **components)
     else:
         pipe = QwenImagePipeline(**components)
     pipe.save_pretrained(out, safe_serialization=True)
@@ -280,10 +290,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0, help="seed for every weight (default 0)")
     parser.add_argument("--size", choices=sorted(TRANSFORMER_SIZES), default="tiny", help="transformer size")
-    parser.add_argument("--edit", action="store_true", help="write a Qwen-Image-Edit checkpoint (with processor/)")
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--edit", action="store_true", help="write a Qwen-Image-Edit checkpoint (with processor/)")
+    layout.add_argument("--edit-plus", action="store_true",
+                        help="write a Qwen-Image-Edit-2509/2511 checkpoint (QwenImageEditPlusPipeline, with "
+                        "processor/)")
     args = parser.parse_args(argv)
-    out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size, edit=args.edit)
-    kind = "Qwen-Image-Edit" if args.edit else "Qwen-Image"
+    edit = args.edit or args.edit_plus
+    out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size, edit=edit, plus=args.edit_plus)
+    kind = "Qwen-Image-Edit-2509/2511" if args.edit_plus else "Qwen-Image-Edit" if args.edit else "Qwen-Image"
     print(f"wrote a {args.size} {kind} checkpoint (seed {args.seed}) to {out}")
 
 
