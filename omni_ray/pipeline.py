@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from omni_ray import checkpoints
-from omni_ray.api.images import load_input_image
+from omni_ray.api.images import load_input_images
 from omni_ray.api.planning import plan_request
 from omni_ray.api.schema import ImageGenerationRequest
 from omni_ray.config import LoraEntry, PipelineConfig, load_config
@@ -35,6 +35,7 @@ from omni_ray.records import (
     DenoiseRequest,
     EncodeRequest,
     ImageEncodeRequest,
+    InputImages,
     OutputMode,
 )
 from omni_ray.request_path import DenoiseEvent, RequestEvent, Stages, collect, run_request
@@ -67,20 +68,20 @@ class LocalStages(Stages[object]):
     def put_image(self, image: np.ndarray) -> np.ndarray:
         return image
 
-    def encode_prompt(self, request: EncodeRequest, image: np.ndarray | None) -> asyncio.Future:
-        request.image = image
+    def encode_prompt(self, request: EncodeRequest, images: tuple[np.ndarray, ...]) -> asyncio.Future:
+        request.images = images
         return asyncio.ensure_future(self.encoder.generate(request))
 
     def encode_image(self, request_id: str, image: np.ndarray) -> asyncio.Future:
         return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image)))
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: asyncio.Future | None
+        self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: tuple[asyncio.Future, ...]
     ) -> AsyncIterator[DenoiseEvent]:
         # Shielded: the n images of a request share these calls, and one image's cancellation must not cancel them.
         encoded = await asyncio.shield(prompt)
-        image = await asyncio.shield(image_latents) if image_latents is not None else None
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image)
+        images = tuple([await asyncio.shield(latents) for latents in image_latents])
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, images)
         async with self.loras.use(params.lora):
             async for item in self.dit.stream(request):
                 yield item  # the engine's typed stream; its latents are the handles
@@ -111,15 +112,16 @@ class Pipeline:
     def events(
         self,
         body: dict | ImageGenerationRequest,
-        image: np.ndarray | None = None,
+        image: np.ndarray | InputImages | None = None,
         request_id: str | None = None,
         output: OutputMode = "pixels",
     ) -> AsyncIterator[RequestEvent]:
-        """The request's event stream; an edit preset takes ``image`` (``load_input_image``'s pixels)."""
+        """The request's event stream; an edit preset takes ``image`` (``load_input_image``'s pixels, or
+        ``load_input_images``' several)."""
         plan = plan_request(body, self.config, self.tokenizer.num_tokens, image, self.config.loras)
         return run_request(self.stages, plan, request_id or uuid.uuid4().hex, self.config.requests, output)
 
-    async def generate(self, body: dict | ImageGenerationRequest, image: np.ndarray | None = None,
+    async def generate(self, body: dict | ImageGenerationRequest, image: np.ndarray | InputImages | None = None,
                        request_id: str | None = None, output: OutputMode = "pixels") -> list[Decoded]:
         """Every image of the request (``n`` of them), per ``output``."""
         return await collect(self.events(body, image, request_id, output))
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--stage-config", default=str(DEFAULT_PRESET), help="preset YAML (default: the tiny one)")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id overriding the preset's")
-    parser.add_argument("--image", default=None, help="the image to edit (an edit preset)")
+    parser.add_argument("--image", action="append", default=None,
+                        help="the image to edit (an edit preset; repeat it for an Edit-Plus preset's several)")
     parser.add_argument("--size", default=None, help="WxH (default: the preset's, or the edit image's working size)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     parser.add_argument("--true-cfg-scale", type=float, default=4.0)
@@ -147,7 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="omni-ray.png")
     args = parser.parse_args(argv)
     config = load_config(args.stage_config, model=args.model)
-    source = load_input_image(pathlib.Path(args.image).read_bytes(), config) if args.image is not None else None
+    source = None
+    if args.image is not None:
+        try:
+            source = load_input_images([pathlib.Path(path).read_bytes() for path in args.image], config)
+        except RequestError as err:
+            parser.error(str(err))
     body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "size": args.size,
             "num_inference_steps": args.steps, "true_cfg_scale": args.true_cfg_scale, "seed": args.seed}
     if args.cache is not None:

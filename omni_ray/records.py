@@ -38,6 +38,26 @@ class LoraRef:
         return (self.name, self.path)
 
 
+@dataclass(frozen=True, slots=True)
+class InputImages:
+    """An edit's input images, decoded and resized once by the API: what the VAE encodes (each at its working size,
+    sides multiples of 32) and what the encoder reads (the same arrays for Qwen-Image-Edit, Edit-Plus's smaller
+    condition images otherwise). uint8 ``[H, W, 3]`` each, in the request's order."""
+
+    vae: tuple[np.ndarray, ...]
+    encoder: tuple[np.ndarray, ...]
+
+    @classmethod
+    def of(cls, image: np.ndarray | InputImages) -> InputImages:
+        """``image`` as the inputs: one Qwen-Image-Edit image at its working size stands for both."""
+        return image if isinstance(image, InputImages) else cls((image,), (image,))
+
+    @property
+    def sizes(self) -> tuple[tuple[int, int], ...]:
+        """(height, width) of each image as the VAE and the DiT take it."""
+        return tuple(image.shape[:2] for image in self.vae)
+
+
 # --- encoder -------------------------------------------------------------------------------------------------------
 
 
@@ -59,7 +79,7 @@ class EncodeRequest:
     request_id: str
     prompt: str
     negative_prompt: str | None = None  # given only when the request runs true CFG
-    image: np.ndarray | None = None  # edits: the input image, uint8 [H, W, 3], already at its working size
+    images: tuple[np.ndarray, ...] = ()  # edits: the input images as the encoder reads them, uint8 [H, W, 3] each
 
 
 @dataclass(slots=True)
@@ -99,19 +119,19 @@ class DenoiseParams:
                              "result)")
 
 
-BatchKey = tuple[int, int, bool, "tuple[int, int] | None"]  # height, width, true CFG, an edit's input image size
+BatchKey = tuple[int, int, bool, tuple[tuple[int, int], ...]]  # height, width, true CFG, an edit's input image sizes
 
 
 @dataclass(slots=True)
 class DenoiseRequest:
     """A request as the DiT engine receives it: the prompt's embeddings (and the negative's, for true CFG), and for
-    an edit its input image's latents."""
+    an edit its input images' latents, in order."""
 
     request_id: str
     params: DenoiseParams
     prompt: PromptEmbeds
     negative: PromptEmbeds | None = None
-    image: Latents | None = None
+    images: tuple[Latents, ...] = ()
 
     def __post_init__(self) -> None:
         if self.params.true_cfg and self.negative is None:
@@ -119,17 +139,20 @@ class DenoiseRequest:
 
     @property
     def batch_key(self) -> BatchKey:
-        """Requests whose keys match can share a forward pass: same size, CFG mode and edit image size."""
-        image_size = (self.image.height, self.image.width) if self.image is not None else None
-        return (self.params.height, self.params.width, self.params.true_cfg, image_size)
+        """Requests whose keys match can share a forward pass: same size, CFG mode and edit image sizes."""
+        return (self.params.height, self.params.width, self.params.true_cfg, self.image_sizes)
+
+    @property
+    def image_sizes(self) -> tuple[tuple[int, int], ...]:
+        """(height, width) of each input image (none for text to image)."""
+        return tuple((image.height, image.width) for image in self.images)
 
     @property
     def work_tokens(self) -> int:
         """Tokens each of its steps pushes through the transformer (``qwen_image.dit_work_tokens``)."""
         texts = [self.prompt] + ([self.negative] if self.params.true_cfg else [])
-        image_size = (self.image.height, self.image.width) if self.image is not None else None
         return dit_work_tokens(self.params.height, self.params.width, max(t.num_tokens for t in texts),
-                               self.params.true_cfg, image_size)
+                               self.params.true_cfg, self.image_sizes)
 
 
 @dataclass(slots=True)
@@ -167,7 +190,7 @@ class Latents:
 
 
 class TokenCount(NamedTuple):
-    """Tokens the text encoder reads for one templated prompt: its text, and an edit's input image's vision tokens."""
+    """Tokens the text encoder reads for one templated prompt: its text, and an edit's input images' vision tokens."""
 
     text: int
     image: int = 0
@@ -199,7 +222,7 @@ class DecodeRequest:
 
 @dataclass(slots=True)
 class ImageEncodeRequest:
-    """An edit's input image, to become the latents the DiT denoises beside."""
+    """One of an edit's input images, to become latents the DiT denoises beside."""
 
     request_id: str
     image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)

@@ -55,19 +55,19 @@ class Stages(ABC, Generic[Handle]):
 
     @abstractmethod
     def put_image(self, image: np.ndarray) -> Handle:
-        """An edit's input image (uint8 ``[H, W, 3]``), stored once for every call that reads it."""
+        """One of an edit's input images (uint8 ``[H, W, 3]``), stored once for every call that reads it."""
 
     @abstractmethod
-    def encode_prompt(self, request: EncodeRequest, image: Handle | None) -> Handle:
-        """Starts encoding the prompt (and the negative prompt, when given), with the edit's image."""
+    def encode_prompt(self, request: EncodeRequest, images: tuple[Handle, ...]) -> Handle:
+        """Starts encoding the prompt (and the negative prompt, when given), with the edit's images."""
 
     @abstractmethod
     def encode_image(self, request_id: str, image: Handle) -> Handle:
-        """Starts encoding an edit's input image to the latents the DiT edits beside."""
+        """Starts encoding one of an edit's input images to latents the DiT edits beside."""
 
     @abstractmethod
     def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: Handle | None
+        self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: tuple[Handle, ...]
     ) -> AsyncIterator[DenoiseEvent]:
         """Denoises one image: ``StepDone`` after every step (then ``Preview`` when the step has one), then
         ``Finished``; both carry handles to latents. Closing it aborts the call."""
@@ -189,30 +189,48 @@ def preview_steps(count: int, num_steps: int) -> tuple[int, ...]:
 
 
 class _SharedInputs:
-    """The stage calls every image of a request shares: the prompt's encoding and, for an edit, the input image's
-    latents (the image itself is stored once). A lost one is issued again once, however many images lost it."""
+    """The stage calls every image of a request shares: the prompt's encoding and, for an edit, its input images'
+    latents (each image stored once, and once for both stages when the encoder reads the VAE's). A lost one is
+    issued again once, however many images lost it; a lost image encode issues the request's image encodes again."""
 
     def __init__(self, stages: Stages, plan: GenerationPlan, request_id: str):
         self.stages, self.plan, self.request_id = stages, plan, request_id
-        self.image = stages.put_image(plan.image) if plan.image is not None else None
+        stored: dict[int, Handle] = {}
+
+        def put(image: np.ndarray) -> Handle:
+            if id(image) not in stored:
+                stored[id(image)] = stages.put_image(image)
+            return stored[id(image)]
+
+        inputs = plan.inputs
+        self.images = tuple(map(put, inputs.vae)) if inputs is not None else ()
+        self.prompt_images = tuple(map(put, inputs.encoder)) if inputs is not None else ()
         self.prompt = self._encode_prompt()
-        self.image_latents = stages.encode_image(request_id, self.image) if self.image is not None else None
+        self.image_latents = self._encode_images()
 
     def _encode_prompt(self) -> Handle:
         request = self.plan.request
         negative = request.negative_prompt if self.plan.true_cfg else None
-        return self.stages.encode_prompt(EncodeRequest(self.request_id, request.prompt, negative), self.image)
+        return self.stages.encode_prompt(EncodeRequest(self.request_id, request.prompt, negative), self.prompt_images)
 
-    def reissue(self, call: StageCall, lost: Handle) -> None:
+    def _encode_images(self) -> tuple[Handle, ...]:
+        return tuple(self.stages.encode_image(f"{self.request_id}-input{i}", image)
+                     for i, image in enumerate(self.images))
+
+    def reissue(self, call: StageCall, lost: Handle | tuple[Handle, ...]) -> None:
         if call is StageCall.ENCODE_PROMPT and self.prompt is lost:
             self.prompt = self._encode_prompt()
         elif call is StageCall.ENCODE_IMAGE and self.image_latents is lost:
-            self.image_latents = self.stages.encode_image(self.request_id, self.image)
+            self.cancel_images()
+            self.image_latents = self._encode_images()
+
+    def cancel_images(self) -> None:
+        for handle in self.image_latents:
+            self.stages.cancel(handle)
 
     def cancel(self) -> None:
-        for handle in (self.prompt, self.image_latents):
-            if handle is not None:
-                self.stages.cancel(handle)
+        self.stages.cancel(self.prompt)
+        self.cancel_images()
 
 
 async def _run_image(

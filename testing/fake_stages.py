@@ -51,8 +51,8 @@ class FakeStages(Stages[Call]):
     def put_image(self, image):
         return self._call("put_image", image)
 
-    def encode_prompt(self, request, image):
-        call = self._call("encode_prompt", request, image)
+    def encode_prompt(self, request, images):
+        call = self._call("encode_prompt", request, images)
         if self._loses("encode_prompt"):
             self.lost.add(id(call))
         return call

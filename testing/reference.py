@@ -1,5 +1,6 @@
 """References for the tests and benchmarks: the stages chained as diffusers batches them, Qwen2.5-VL run through
-transformers, diffusers' QwenImageEditPipeline with the preset's working area, and photo-like test images.
+transformers, diffusers' QwenImageEditPipeline and QwenImageEditPlusPipeline with the preset's areas, and photo-like
+test images.
 
 ``ReferencePipeline`` runs the three stage runners in one process without any engine, batching as diffusers'
 ``QwenImagePipeline`` batches (all prompts together, the negative prompts in a second encoder pass, CFG's two
@@ -22,12 +23,12 @@ from unittest import mock
 
 import numpy as np
 import torch
-from diffusers import QwenImageEditPipeline
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from omni_ray.config import PipelineConfig
+from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.qwen_image import TEXT_TO_IMAGE, PromptTemplate, uses_true_cfg
 from omni_ray.records import DenoiseParams, PromptEmbeds
 from omni_ray.runners.decode import VaeRunner
@@ -76,10 +77,11 @@ class ReferencePipeline:
         """Images for ``prompts`` (one seed each), as uint8 ``[B, H, W, 3]``; an edit preset edits ``image``
         (uint8 ``[H, W, 3]`` at its working size)."""
         assert len(seeds) == len(prompts) and (image is not None) == (self.config.edit is not None)
-        prompt_embeds = self.encoder.encode(prompts, image)
+        images = (image,) if image is not None else ()
+        prompt_embeds = self.encoder.encode(prompts, images)
         use_cfg = uses_true_cfg(true_cfg_scale, negative_prompts is not None)
-        negative_embeds = self.encoder.encode(negative_prompts, image) if use_cfg else [None] * len(prompts)
-        image_latents = self.decoder.encode([image])[0] if image is not None else None
+        negative_embeds = self.encoder.encode(negative_prompts, images) if use_cfg else [None] * len(prompts)
+        image_latents = tuple(self.decoder.encode(list(images))) if images else ()
         states = [
             self.denoiser.prepare(
                 DenoiseParams(height, width, num_inference_steps, seed, true_cfg_scale, true_cfg=use_cfg), prompt,
@@ -92,8 +94,10 @@ class ReferencePipeline:
         return self.decoder.decode([self.denoiser.finish(state) for state in states])
 
 
-def load_reference(checkpoint, token_types: bool = True) -> QwenImageEditPipeline:
-    pipe = QwenImageEditPipeline.from_pretrained(checkpoint)
+def load_reference(checkpoint, token_types: bool = True, pipeline=QwenImageEditPipeline) -> QwenImageEditPipeline:
+    """diffusers' edit ``pipeline`` (QwenImageEditPipeline, or QwenImageEditPlusPipeline), its text encoder given
+    the image tokens' types (the module's docstring says why) unless ``token_types`` is False."""
+    pipe = pipeline.from_pretrained(checkpoint)
     if token_types:
         text_encoder = pipe.text_encoder
         forward = text_encoder.forward
@@ -114,6 +118,21 @@ def reference_edit(pipe: QwenImageEditPipeline, image_area: int, image: Image.Im
         pipeline_qwenimage_edit, "calculate_dimensions", lambda _, ratio: calculate(image_area, ratio)
     ):
         pixels = pipe(image=image, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs)
+    return (pixels.images[0] * 255).round().astype(np.uint8)
+
+
+def reference_edit_plus(pipe: QwenImageEditPlusPipeline, edit: EditConfig, images: list[Image.Image], seed: int,
+                        **kwargs) -> np.ndarray:
+    """uint8 ``[H, W, 3]``: diffusers' Edit-Plus edit of ``images``, with the preset's areas in place of diffusers'
+    constants: ``condition_area`` for the encoder's 384x384, ``image_area`` for the VAE's and the output's
+    1024x1024."""
+    calculate = pipeline_qwenimage_edit_plus.calculate_dimensions
+    areas = {pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE: edit.condition_area,
+             pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE: edit.image_area}
+    with mock.patch.object(
+        pipeline_qwenimage_edit_plus, "calculate_dimensions", lambda area, ratio: calculate(areas[area], ratio)
+    ):
+        pixels = pipe(image=images, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs)
     return (pixels.images[0] * 255).round().astype(np.uint8)
 
 
@@ -164,16 +183,16 @@ class PromptEncoder:
         self.text_encoder = TransformersTextEncoder(model, dtype, device)
         self.max_sequence_length = max_sequence_length
 
-    def encode(self, prompts: list[str], image: np.ndarray | None = None) -> list[PromptEmbeds]:
-        """Every prompt's embeddings; for edits each prompt is encoded with ``image``."""
-        token_ids = [self.tokenizer.tokenize(prompt) for prompt in prompts]
-        if image is None:
+    def encode(self, prompts: list[str], images: tuple[np.ndarray, ...] = ()) -> list[PromptEmbeds]:
+        """Every prompt's embeddings; for edits each prompt is encoded with ``images``."""
+        token_ids = [self.tokenizer.tokenize(prompt, len(images)) for prompt in prompts]
+        if not images:
             hidden = self.text_encoder(token_ids, self.tokenizer.pad_token_id)
         else:
-            vision = self.tokenizer.vision_inputs(image)
-            count = self.tokenizer.image_tokens(*image.shape[:2])
+            vision = self.tokenizer.vision_inputs(images)
+            counts = [self.tokenizer.image_tokens(*image.shape[:2]) for image in images]
             hidden = [
-                self.text_encoder([self.tokenizer.expand_image(ids, count)], self.tokenizer.pad_token_id, vision)[0]
+                self.text_encoder([self.tokenizer.expand_images(ids, counts)], self.tokenizer.pad_token_id, vision)[0]
                 for ids in token_ids
             ]
         return [to_prompt_embeds(h, self.tokenizer.template, self.max_sequence_length) for h in hidden]

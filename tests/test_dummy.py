@@ -34,7 +34,7 @@ def test_the_dummy_checkpoint_has_the_configs_and_a_tokenizer_with_qwen_s_ids_bu
     tokenizer = AutoTokenizer.from_pretrained(reduced / "tokenizer")
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(151643, 151643 + len(SPECIAL_TOKENS)))
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
-    assert PromptTokenizer(str(reduced)).num_tokens("a red cat", None).text > 0  # the prefix drops as Qwen's
+    assert PromptTokenizer(str(reduced)).num_tokens("a red cat").text > 0  # the prefix drops as Qwen's
 
 
 def dummy_preset(model, **changes) -> dict:
@@ -90,3 +90,33 @@ def test_a_reduced_dummy_edit_app_edits_an_image(tmp_path):
     assert image.pixels.shape == pixels.shape and image.pixels.dtype == np.uint8
     assert image.dit_passes == {"computed": 4, "reused": 0}
 
+
+
+def test_a_reduced_dummy_edit_2511_app_edits_two_images(tmp_path):
+    """Qwen-Image-Edit-2511's layout without weights (Edit-Plus's pipeline, zero_cond_t): two input images through
+    vLLM's vision path in one sequence, the VAE and the 1-layer transformer."""
+    from omni_ray.api.images import load_input_images
+    from omni_ray.pipeline import Pipeline
+    from testing.reference import source_image
+    from testing.serving import file_bytes as png
+
+    model = write_dummy_checkpoint(tmp_path / "qwen-image-edit-2511-1-layer", layers=1, edit=True, plus=True,
+                                   configs="qwen-image-edit-2511")
+    assert json.loads((model / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline"
+    assert json.loads((model / "transformer/config.json").read_text())["zero_cond_t"] is True
+    preset = yaml.safe_load((REPO / "stage_configs/qwen_image_edit_plus_tiny.yaml").read_text())
+    preset.pop("build_if_missing")
+    config = parse_config({**preset, "name": "qwen-image-edit-2511-dummy-1-layer", "model": str(model),
+                           "weights": "dummy", "configs": "qwen-image-edit-2511"})
+    pipeline = Pipeline(config)
+    try:
+        inputs = load_input_images([png(source_image(180, 100, seed=2)), png(source_image(120, 240, seed=3))],
+                                   config)
+        body = {"prompt": "put the disc on the second", "negative_prompt": "blurry", "seed": 3,
+                "num_inference_steps": 2}
+        (image,) = asyncio.run(pipeline.generate(body, inputs))
+        assert pipeline.stages.encoder.core.num_encoded == 2  # the prompt and the negative, each with both images
+    finally:
+        pipeline.shutdown()
+    assert image.pixels.shape == inputs.vae[-1].shape and image.pixels.dtype == np.uint8
+    assert image.dit_passes == {"computed": 4, "reused": 0}

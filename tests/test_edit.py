@@ -89,7 +89,7 @@ def test_diffusers_as_pinned_drops_mrope_for_the_image(config, edit_dir, referen
     resized = Image.fromarray(load_input_image(png(source), config))
     with_mrope, _ = reference.encode_prompt("make it red", image=resized, device="cpu")
     plain, _ = load_reference(edit_dir, token_types=False).encode_prompt("make it red", image=resized, device="cpu")
-    ours = PromptEncoder(str(edit_dir), template=EDIT).encode(["make it red"], np.asarray(resized))[0].embeds
+    ours = PromptEncoder(str(edit_dir), template=EDIT).encode(["make it red"], (np.asarray(resized),))[0].embeds
     assert torch.equal(ours, with_mrope[0])
     first_image_token = 1  # after the dropped 64 tokens: <|vision_start|>, then the image
     assert torch.equal(plain[0, : first_image_token + 1], with_mrope[0, : first_image_token + 1])
@@ -126,14 +126,14 @@ def test_dit_batches_edits_of_one_key_and_keeps_each_result(config, edit_dir):
     tall = load_input_image(png(source_image(120, 240, 9)), config)
 
     def edit(request_id, image, prompt, seed, steps=2):
-        return DenoiseRequest(request_id, DenoiseParams(96, 96, steps, seed), encoder.encode([prompt], image)[0],
-                              image=vae.encode([image])[0])
+        return DenoiseRequest(request_id, DenoiseParams(96, 96, steps, seed), encoder.encode([prompt], (image,))[0],
+                              images=(vae.encode([image])[0],))
 
     requests = [edit(f"w{i}", image, f"make it {color}", seed=i, steps=2 + i)
                 for i, (image, color) in enumerate(zip(wide, ["red", "green", "a painting"]))]
     requests.append(edit("t", tall, "make it red", seed=0))
     plain = PromptEncoder(str(edit_dir), template=EDIT)  # a request without image latents: another key
-    requests.append(DenoiseRequest("p", DenoiseParams(96, 96, 2, 0), plain.encode(["make it red"], wide[0])[0]))
+    requests.append(DenoiseRequest("p", DenoiseParams(96, 96, 2, 0), plain.encode(["make it red"], (wide[0],))[0]))
     assert len({request.batch_key for request in requests}) == 3
 
     def run(batch):
@@ -215,11 +215,11 @@ def test_edit_plans_take_form_fields_and_count_the_image_tokens(config, edit_dir
             "stream": "false"}
     plan = plan_request(parse_request(form, form=True), config, tokenizer.num_tokens, pixels)
     assert (plan.height, plan.width, plan.request.n, plan.seed, plan.request.negative_prompt) == (96, 160, 2, 7, "dark")
-    assert plan.request.true_cfg_scale == 3.0 and plan.image is pixels
+    assert plan.request.true_cfg_scale == 3.0 and plan.inputs.vae == plan.inputs.encoder == (pixels,)
     sized = plan_request(parse_request({**form, "size": "64x128"}, form=True), config, tokenizer.num_tokens, pixels)
     assert (sized.height, sized.width) == (128, 64)
     # The image's tokens count against the encoder's limit: 96x160 is 84x168 for the ViT, 18 merged patches.
-    assert tokenizer.num_tokens("make it red", (96, 160)) == (len(tokenizer.tokenize("make it red")) - 1, 18)
+    assert tokenizer.num_tokens("make it red", ((96, 160),)) == (len(tokenizer.tokenize("make it red", 1)) - 1, 18)
     with pytest.raises(RequestError, match="prompt: .* tokens with the prompt template") as info:
         plan_request(parse_request({"prompt": "word " * 1100}, form=True), config, tokenizer.num_tokens, pixels)
     assert info.value.param == "prompt"

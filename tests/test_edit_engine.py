@@ -48,8 +48,8 @@ def test_vision_embeddings_match_transformers_qwen2_5_vl(pipeline, config, edit_
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(edit_dir, subfolder="text_encoder").eval()
     images = {name: working_image(config, name) for name in SOURCES}
     requests = [
-        EncodeRequest("wide", "make the disc blue", "blurry", images["wide"]),
-        EncodeRequest("tall", "turn it into an oil painting of a lighthouse at sunset", None, images["tall"]),
+        EncodeRequest("wide", "make the disc blue", "blurry", (images["wide"],)),
+        EncodeRequest("tall", "turn it into an oil painting of a lighthouse at sunset", None, (images["tall"],)),
     ]
     # Driven directly here: the engine's thread is idle while nothing is queued.
     results, steps = encode_all(pipeline.stages.encoder.core, requests)
@@ -61,7 +61,7 @@ def test_vision_embeddings_match_transformers_qwen2_5_vl(pipeline, config, edit_
             if text is None:
                 assert got is None
                 continue
-            inputs = processor(text=[EDIT.text.format(text)], images=Image.fromarray(request.image), return_tensors="pt")
+            inputs = processor(text=[EDIT.text.format(text)], images=Image.fromarray(request.images[0]), return_tensors="pt")
             with torch.no_grad():
                 hidden = model(**inputs, output_hidden_states=True).hidden_states[-1][0]
             expected = hidden[EDIT.drop:]
@@ -76,12 +76,12 @@ def test_the_transformers_runner_gives_vllm_s_vision_embeddings(pipeline, config
     core = build_encoder_core(config.model_copy(update={"encoder": config.encoder.model_copy(
         update={"runner": "transformers"})}))
     images = {name: working_image(config, name) for name in SOURCES}
-    requests = [EncodeRequest("wide", "make the disc blue", "blurry", images["wide"]),
-                EncodeRequest("tall", "an oil painting", None, images["tall"])]
+    requests = [EncodeRequest("wide", "make the disc blue", "blurry", (images["wide"],)),
+                EncodeRequest("tall", "an oil painting", None, (images["tall"],))]
     ours, steps = encode_all(core, requests)
     assert steps == 3  # one sequence with an image a step
     vllm, _ = encode_all(pipeline.stages.encoder.core, [EncodeRequest(f"v{r.request_id}", r.prompt, r.negative_prompt,
-                                                                      r.image) for r in requests])
+                                                                      r.images) for r in requests])
     for request in requests:
         for part in ("prompt", "negative"):
             got, expected = getattr(ours[request.request_id], part), getattr(vllm[f"v{request.request_id}"], part)
@@ -136,9 +136,9 @@ def test_the_prompt_cache_tells_input_images_apart_by_one_pixel(pipeline, config
     other = image.copy()
     other[0, 0, 0] ^= 1  # one level of one channel of one pixel
     before = core.num_encoded
-    first, _ = encode_all(core, [EncodeRequest("p1", "make it red", None, image)])
-    results, _ = encode_all(core, [EncodeRequest("p2", "make it red", None, other),
-                                   EncodeRequest("p3", "make it red", None, image.copy())])
+    first, _ = encode_all(core, [EncodeRequest("p1", "make it red", None, (image,))])
+    results, _ = encode_all(core, [EncodeRequest("p2", "make it red", None, (other,)),
+                                   EncodeRequest("p3", "make it red", None, (image.copy(),))])
     assert core.num_encoded == before + 2  # p3's text and image were encoded before: not again
     assert torch.equal(results["p3"].prompt.embeds, first["p1"].prompt.embeds)
     assert not torch.equal(results["p2"].prompt.embeds, first["p1"].prompt.embeds)

@@ -114,7 +114,7 @@ class FakeEncoder:
     def __init__(self, refused: int):
         self.refused, self.waiting, self.fail_next = refused, {}, False
 
-    def add(self, sequence_id, token_ids, image=None):
+    def add(self, sequence_id, token_ids, images=()):
         if self.refused in token_ids:
             raise ValueError("refused")
         self.waiting[sequence_id] = len(token_ids)

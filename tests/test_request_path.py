@@ -11,6 +11,7 @@ from omni_ray.api.planning import GenerationPlan
 from omni_ray.api.schema import parse_request
 from omni_ray.config import RequestLimits
 from omni_ray.errors import DeadlineExceededError, EngineError, OverloadedError, StageCall, StageLostError
+from omni_ray.records import InputImages
 from omni_ray.request_path import Failed, ImageDone, Progress, collect, run_request
 from testing.fake_stages import FakeStages
 
@@ -18,7 +19,8 @@ LIMITS = RequestLimits(default_width=64, default_height=64, min_side=32, max_sid
 
 
 def plan(image=None, timeout_s=5.0, **body):
-    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=10, image=image,
+    inputs = InputImages.of(image) if image is not None else None
+    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=10, inputs=inputs,
                           timeout_s=timeout_s)
 
 
@@ -33,7 +35,7 @@ def test_the_prompt_is_encoded_once_for_n_images_each_with_its_seed_and_cfg_rule
     stages = FakeStages()
     events = run(stages, plan(n=3, negative_prompt="blurry", true_cfg_scale=4))
     (encode,) = stages.calls_to("encode_prompt")
-    assert encode.args[0].negative_prompt == "blurry" and encode.args[1] is None  # no image: text to image
+    assert encode.args[0].negative_prompt == "blurry" and encode.args[1] == ()  # no image: text to image
     denoises = stages.calls_to("denoise")
     assert sorted(call.args[1].seed for call in denoises) == [10, 11, 12]
     assert all(call.args[2] is encode for call in denoises)  # the handle itself, passed on
@@ -57,8 +59,8 @@ def test_an_edit_stores_its_image_once_and_both_encoders_read_that_handle():
     (put,) = stages.calls_to("put_image")
     (encode,) = stages.calls_to("encode_prompt")
     (image_latents,) = stages.calls_to("encode_image")
-    assert put.args[0] is pixels and encode.args[1] is put and image_latents.args == ("r", put)
-    assert all(call.args[3] is image_latents for call in stages.calls_to("denoise"))
+    assert put.args[0] is pixels and encode.args[1] == (put,) and image_latents.args == ("r-input0", put)
+    assert all(call.args[3] == (image_latents,) for call in stages.calls_to("denoise"))
 
 
 def test_output_mode_reaches_the_decode():
@@ -193,7 +195,7 @@ def test_an_image_sent_through_the_handle_to_a_text_to_image_app_is_refused(tiny
         asyncio.run(coordinator.plan({"prompt": "a cat"}, image=b"\x89PNG..."))
     assert info.value.param == "image"
     planned = asyncio.run(coordinator.plan({"prompt": "a cat"}))
-    assert planned.image is None and planned.request.prompt == "a cat"
+    assert planned.inputs is None and planned.request.prompt == "a cat"
 
 
 @pytest.mark.parametrize("error", [

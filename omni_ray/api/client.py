@@ -6,6 +6,7 @@
     images = Client.http(api_key="...").generate("a red cat")    # a server with OMNI_RAY_API_KEY set
     images = Client.ray(address="auto").generate("a red cat", n=4)   # after the app is deployed
     images = Client.http().edit("cat.png", "make the cat blue")      # an app serving an edit preset
+    images = Client.http().edit(["a.png", "b.png"], "put the cat on the sofa")   # an Edit-Plus preset
 
 Both return PIL images and raise ``RequestError`` (the request was invalid) or ``EngineError`` (a stage failed).
 """
@@ -46,7 +47,7 @@ class Client:
     """Sends OpenAI-style image requests to the app and decodes the images."""
 
     def __init__(self, send, stream):
-        self._send = send  # (body dict, edit's image file or None) -> response dict
+        self._send = send  # (body dict, edit's image files or None) -> response dict
         self._stream = stream  # (body dict, image or None) -> iterator of event dicts
 
     @classmethod
@@ -58,7 +59,7 @@ class Client:
         api_key = api_key or os.environ.get("OMNI_RAY_API_KEY", "").split(",")[0].strip() or None
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-        def post(body: dict, image: bytes | None):
+        def post(body: dict, image: list[bytes] | None):
             if image is None:
                 url, data = base_url + "/v1/images/generations", json.dumps(body).encode()
                 content_type = "application/json"
@@ -71,11 +72,11 @@ class Client:
             except urllib.error.HTTPError as err:
                 raise _error_from_body(err.code, err.read()) from None
 
-        def send(body: dict, image: bytes | None) -> dict:
+        def send(body: dict, image: list[bytes] | None) -> dict:
             with post(body, image) as response:
                 return json.loads(response.read())
 
-        def stream(body: dict, image: bytes | None) -> Iterator[dict]:
+        def stream(body: dict, image: list[bytes] | None) -> Iterator[dict]:
             with post({**body, "stream": True, "progress": True}, image) as response:
                 for line in response:
                     if line.startswith(b"data: "):
@@ -94,13 +95,13 @@ class Client:
             connect_ray(address)
         handle = serve.get_app_handle(app_name)
 
-        def send(body: dict, image: bytes | None) -> dict:
+        def send(body: dict, image: list[bytes] | None) -> dict:
             try:
                 return handle.generate.remote(body, image=image).result()
             except RayTaskError as err:  # the coordinator's own error, without Ray's traceback text
                 raise err.cause from None
 
-        def stream(body: dict, image: bytes | None) -> Iterator[dict]:
+        def stream(body: dict, image: list[bytes] | None) -> Iterator[dict]:
             try:
                 yield from handle.options(stream=True).generate_stream.remote({**body, "progress": True}, image=image)
             except RayTaskError as err:
@@ -115,17 +116,13 @@ class Client:
         return self._images(prompt, None, progress, options)
 
     def edit(self, image, prompt: str, progress: bool = False, **options: Any) -> list:
-        """PIL images of ``image`` (a path, the file's bytes, or a PIL image) edited as ``prompt`` says, from an app
-        serving an edit preset; ``options`` and ``progress`` as for ``generate``."""
-        if isinstance(image, (str, pathlib.Path)):
-            image = pathlib.Path(image).read_bytes()
-        elif not isinstance(image, bytes):  # a PIL image
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            image = buffer.getvalue()
-        return self._images(prompt, image, progress, options)
+        """PIL images of ``image`` (a path, the file's bytes, or a PIL image; a list of them for an Edit-Plus preset)
+        edited as ``prompt`` says, from an app serving an edit preset; ``options`` and ``progress`` as for
+        ``generate``."""
+        images = image if isinstance(image, list) else [image]
+        return self._images(prompt, [_file_bytes(item) for item in images], progress, options)
 
-    def _images(self, prompt: str, image: bytes | None, progress: bool, options: dict) -> list:
+    def _images(self, prompt: str, image: list[bytes] | None, progress: bool, options: dict) -> list:
         body = {"prompt": prompt, **{k: v for k, v in options.items() if v is not None}}
         if not progress:
             return [_image(item["b64_json"]) for item in self._send(body, image)["data"]]
@@ -145,17 +142,31 @@ class Client:
         return [images[index] for index in sorted(images)]
 
 
-def _multipart(fields: dict, image: bytes) -> tuple[bytes, str]:
-    """``fields`` and the ``image`` file as a multipart/form-data body, as OpenAI's images API takes edits."""
+def _file_bytes(image) -> bytes:
+    """An image file's bytes from a path, the bytes themselves, or a PIL image (written as PNG)."""
+    if isinstance(image, (str, pathlib.Path)):
+        return pathlib.Path(image).read_bytes()
+    if isinstance(image, bytes):
+        return image
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _multipart(fields: dict, images: list[bytes]) -> tuple[bytes, str]:
+    """``fields`` and the ``images`` files as a multipart/form-data body, as OpenAI's images API takes edits (one
+    file as ``image``, several as ``image[]``, as OpenAI's client sends them)."""
     boundary = uuid.uuid4().hex
     parts = []
     for name, value in fields.items():
         text = json.dumps(value) if isinstance(value, (bool, dict)) else str(value)  # cache: a JSON object
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{text}\r\n'.encode())
-    parts.append(
-        f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="image"\r\n'
-        f"Content-Type: application/octet-stream\r\n\r\n".encode() + image + b"\r\n"
-    )
+    name = "image" if len(images) == 1 else "image[]"
+    for image in images:
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="image"\r\n'
+            f"Content-Type: application/octet-stream\r\n\r\n".encode() + image + b"\r\n"
+        )
     parts.append(f"--{boundary}--\r\n".encode())
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 

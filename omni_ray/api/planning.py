@@ -15,7 +15,7 @@ from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig
 from omni_ray.errors import NotFoundError, RequestError
 from omni_ray.qwen_image import check_side, dit_work_tokens, template_for, uses_true_cfg
-from omni_ray.records import LoraRef, TokenCount
+from omni_ray.records import InputImages, LoraRef, TokenCount
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,7 +36,7 @@ class GenerationPlan:
     # None takes the request's
     scheduler: tuple[tuple[str, object], ...] = ()  # the adapter's recipe's scheduler settings, over the checkpoint's
     quality: str = "high"  # OpenAI's quality level the steps are nearest to: what responses name as used
-    image: np.ndarray | None = None  # edits: the input image at its working size, uint8 [H, W, 3]
+    inputs: InputImages | None = None  # edits: the input images, for the VAE and for the encoder
     input_tokens: TokenCount = TokenCount(0)  # what the encoder reads: the prompt, and the negative with true CFG
     timeout_s: float = 600.0  # the request's deadline: its own `timeout`, or the preset's requests.timeout_s
     tenant: str = ""  # who the DiT shares steps fairly between: the caller's API key's name, or `user`
@@ -55,35 +55,37 @@ class GenerationPlan:
         """Tokens each denoising step of one image pushes through the transformer (``qwen_image.dit_work_tokens``),
         the text's estimated from the tokens the encoder reads."""
         passes = 2 if self.true_cfg else 1
-        template = template_for(self.image is not None)
-        text = max(1, self.input_tokens.total // passes - template.drop)
-        image_size = self.image.shape[:2] if self.image is not None else None
-        return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_size)
+        drop = template_for(self.inputs is not None).drop  # Edit and Edit-Plus drop as many
+        text = max(1, self.input_tokens.total // passes - drop)
+        image_sizes = self.inputs.sizes if self.inputs is not None else ()
+        return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_sizes)
 
     @property
     def event_prefix(self) -> str:
         """What OpenAI's streamed events of this kind of request are called."""
-        return "image_generation" if self.image is None else "image_edit"
+        return "image_generation" if self.inputs is None else "image_edit"
 
 
 def plan_request(
     body: object,
     config: PipelineConfig,
     count_tokens: Callable[..., int] | None = None,
-    image: np.ndarray | None = None,
+    image: np.ndarray | InputImages | None = None,
     adapters: Mapping[str, LoraEntry] | None = None,
     has_image: bool | None = None,
 ) -> GenerationPlan:
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
 
-    An edit brings its ``image`` (``load_input_image``'s); its working size is the default output size.
-    ``count_tokens(text, image_size)`` gives a prompt's templated length (a ``TokenCount``: its text's tokens and
-    the image's), checked against the encoder's limit and counted in the response's ``usage``. ``adapters``
+    An edit brings its input images (``load_input_images``'s, or ``load_input_image``'s one image); the last one's
+    working size is the default output size, as diffusers has it. ``count_tokens(text, image_sizes)`` gives a
+    prompt's templated length (a ``TokenCount``: its text's tokens and the images'), checked against the encoder's
+    limit and counted in the response's ``usage``. ``adapters``
     (name -> file and sampling recipe) are the LoRA adapters ``model`` may name; a request naming one with a recipe
     gets the recipe's steps, true CFG scale and scheduler settings for the fields it does not set. ``has_image``
     says the request brought an image when ``image`` was not decoded (the preset does not edit).
     """
     check_route(config, has_image=image is not None if has_image is None else has_image)
+    inputs = InputImages.of(image) if image is not None else None
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
     adapters = adapters or {}
     lora = resolve_model(request, config, adapters)
@@ -92,16 +94,16 @@ def plan_request(
     true_cfg_scale = request.true_cfg_scale
     if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in given:
         true_cfg_scale = recipe.true_cfg_scale
-    height, width = resolve_size(request, config, image.shape[:2] if image is not None else None)
+    height, width = resolve_size(request, config, inputs.sizes[-1] if inputs is not None else None)
     input_tokens = TokenCount(0)
     true_cfg = uses_true_cfg(true_cfg_scale, request.negative_prompt is not None)
     if count_tokens is not None:
-        image_size = image.shape[:2] if image is not None else None
+        image_sizes = tuple(image.shape[:2] for image in inputs.encoder) if inputs is not None else ()
         for field in ("prompt", "negative_prompt"):
             text = getattr(request, field)
             if text is None:
                 continue
-            tokens = count_tokens(text, image_size)
+            tokens = count_tokens(text, image_sizes)
             if tokens.total > config.encoder.max_model_len:
                 raise RequestError(
                     f"{field}: {tokens.total} tokens with the prompt template; the limit is "
@@ -136,7 +138,7 @@ def plan_request(
         scheduler=tuple(sorted(recipe.scheduler.items())) if recipe is not None else (),
         quality=request.quality if request.quality != "auto" and request.num_inference_steps is None
         else quality_level(steps, config),
-        image=image,
+        inputs=inputs,
         input_tokens=input_tokens,
         timeout_s=request.timeout or config.requests.timeout_s,
         tenant=request.user or "",
@@ -187,8 +189,8 @@ def check_route(config: PipelineConfig, has_image: bool) -> None:
 def resolve_size(
     request: ImageGenerationRequest, config: PipelineConfig, default: tuple[int, int] | None = None
 ) -> tuple[int, int]:
-    """(height, width) for the request, checked against the preset's limits; ``default`` (an edit's working size)
-    replaces the preset's default size."""
+    """(height, width) for the request, checked against the preset's limits; ``default`` (an edit's last image's
+    working size) replaces the preset's default size."""
     limits = config.requests
     if request.size in (None, "auto"):
         return default or (limits.default_height, limits.default_width)

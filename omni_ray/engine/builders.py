@@ -40,13 +40,14 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
             max_model_len=stage.max_model_len,
             kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
             max_image_pixels=config.edit.max_vision_pixels if config.edit is not None else None,
+            max_images=config.edit.max_images if config.edit is not None else 0,
             dummy=config.weights == "dummy",
             gpu_memory_utilization=stage.gpu_memory_utilization,
         )
     cache = None
     if stage.cache_bytes:
         checkpoint = f"{config.model}:{config.weights}:{stage.runner}"
-        cache = PromptCache(stage.cache_bytes, checkpoint, config.prompt_template.text)
+        cache = PromptCache(stage.cache_bytes, checkpoint, config.prompt_template.key)
     return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache)
 
 

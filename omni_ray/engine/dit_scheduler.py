@@ -1,6 +1,6 @@
 """Step-level continuous batching for the DiT, by priority, fair between tenants, within a budget of work.
 
-Every ``schedule()`` picks one batch key (image size, true CFG on or off, an edit's input image size) and the rows
+Every ``schedule()`` picks one batch key (image size, true CFG on or off, an edit's input image sizes) and the rows
 of that key the step runs. Admitted requests keep their state in the runner, so any of them can sit out a step and
 go on later from where it was: that is how keys take turns, and how a request is paused.
 

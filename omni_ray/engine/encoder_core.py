@@ -1,7 +1,7 @@
 """The encoder's engine core: vLLM's ``EngineCore`` under our engine contract.
 
 vLLM schedules and batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and
-the negative prompt for true CFG; for an edit each with the input image), and returns the request once all its
+the negative prompt for true CFG; for an edit each with the input images), and returns the request once all its
 texts are encoded, template dropped. With the prompt cache on (``encoder.cache_bytes``), a text whose embeddings it
 holds is not encoded again, and one identical to a text vLLM is encoding waits for that one.
 """
@@ -23,7 +23,7 @@ from omni_ray.runners.tokenizer import PromptTokenizer, to_prompt_embeds
 class SequenceEncoder(Protocol):
     """What the core drives: vLLM's engine core (``runners.vllm_encoder.VllmEncoder``) or the simulated encoder."""
 
-    def add(self, sequence_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None: ...
+    def add(self, sequence_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None: ...
     def abort(self, sequence_ids: list[str]) -> None: ...
     def step(self) -> dict: ...  # sequence id -> [num_tokens, hidden], for the sequences that finished
     def shutdown(self) -> None: ...
@@ -61,15 +61,15 @@ class EncoderEngineCore:
         texts = {Part.PROMPT: request.prompt}
         if request.negative_prompt is not None:
             texts[Part.NEGATIVE] = request.negative_prompt
-        token_ids = {part: self.tokenizer.tokenize(text) for part, text in texts.items()}
+        token_ids = {part: self.tokenizer.tokenize(text, len(request.images)) for part, text in texts.items()}
         self.pending[request.request_id] = dict.fromkeys(texts)
         image_digest = None
-        if self.cache is not None and request.image is not None:
-            image_digest = self.cache.image_digest(request.image)
+        if self.cache is not None and request.images:
+            image_digest = self.cache.image_digest(request.images)
         try:
             for part, ids in token_ids.items():
                 self._add_text(request, part, ids, image_digest)
-        except Exception:  # vLLM refused a text (its image, say): nothing of the request stays behind
+        except Exception:  # vLLM refused a text (its images, say): nothing of the request stays behind
             self.abort_requests([request.request_id])
             raise
 
@@ -86,7 +86,7 @@ class EncoderEngineCore:
             self.sequences[self.running[key]].readers.append(reader)
             return
         sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
-        self.encoder.add(sequence_id, token_ids, request.image)
+        self.encoder.add(sequence_id, token_ids, request.images)
         self.sequences[sequence_id] = _Sequence(key, [reader])
         if key is not None:
             self.running[key] = sequence_id

@@ -1,7 +1,7 @@
 """The encoder's prompt-embedding cache: a least-recently-used map bounded in bytes.
 
 A text's embeddings are a function of the checkpoint, the token ids the template made of the prompt (template text,
-truncation and prompt all in them) and, for an edit, the input image's pixels. The key is a SHA-256 of exactly
+truncation and prompt all in them) and, for an edit, the input images' pixels. The key is a SHA-256 of exactly
 those, so two prompts that differ in one character, or images that differ in one pixel, never share an entry; and
 a hit returns a copy of the stored tensor, which no caller can change in place.
 """
@@ -31,7 +31,7 @@ class PromptCache:
         return len(self._entries)
 
     def key(self, token_ids: list[int], image_digest: bytes | None = None) -> bytes:
-        """A text's key: its token ids, and for an edit its image's ``image_digest`` (made once per request: an
+        """A text's key: its token ids, and for an edit its images' ``image_digest`` (made once per request: an
         image of a million pixels takes milliseconds to hash, and a request has two texts)."""
         digest = hashlib.sha256(self._salt)
         digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
@@ -40,10 +40,12 @@ class PromptCache:
         return digest.digest()
 
     @staticmethod
-    def image_digest(image: np.ndarray) -> bytes:
-        """A SHA-256 of an image's shape, dtype and pixels."""
-        digest = hashlib.sha256(repr((image.shape, image.dtype.str)).encode())
-        digest.update(np.ascontiguousarray(image).tobytes())
+    def image_digest(images: tuple[np.ndarray, ...]) -> bytes:
+        """A SHA-256 of the images' shapes, dtypes and pixels, in order."""
+        digest = hashlib.sha256()
+        for image in images:
+            digest.update(repr((image.shape, image.dtype.str)).encode())
+            digest.update(np.ascontiguousarray(image).tobytes())
         return digest.digest()
 
     def get(self, key: bytes) -> PromptEmbeds | None:

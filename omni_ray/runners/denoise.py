@@ -4,8 +4,9 @@ Each request carries its own state (latents, scheduler with its timesteps and st
 requests with different step counts, seeds, prompts and CFG scales share one forward pass; the engine decides which
 states step together. Numerics follow diffusers' ``QwenImagePipeline.__call__``: the noise, the dynamic-shift
 schedule, the true-CFG norm rescale and the Euler update are the same operations on the same values. An edit
-(``QwenImageEditPipeline``) also carries its input image's packed latents: they ride behind the noisy latents in
-every forward pass, with their own entry in the rotary shapes, and the prediction for them is dropped.
+(``QwenImageEditPipeline``, or ``QwenImageEditPlusPipeline`` with up to three) also carries its input images' packed
+latents: they ride behind the noisy latents in every forward pass, one after another, each with its own entry in the
+rotary shapes, and the prediction for them is dropped.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class DenoiseState:
     scheduler: FlowMatchEulerDiscreteScheduler  # private to this request: timesteps, sigmas
     prompt: torch.Tensor  # [num_tokens, hidden], on the stage's device
     negative: torch.Tensor | None  # [num_neg_tokens, hidden], set when true CFG runs
-    img_shapes: list[tuple[int, int, int]]  # (frames, latent rows, latent cols) after packing; the edit image's 2nd
-    image: torch.Tensor | None = None  # edits: the input image's packed latents [1, image_tokens, in_channels]
-    image_size: tuple[int, int] | None = None  # edits: the input image's (height, width)
+    img_shapes: list[tuple[int, int, int]]  # (frames, latent rows, latent cols) after packing; the edit images' next
+    image: torch.Tensor | None = None  # edits: the input images' packed latents one after another [1, tokens, C]
+    image_sizes: tuple[tuple[int, int], ...] = ()  # edits: each input image's (height, width)
     caches: list[BranchCache] | None = None  # with cache acceleration: the conditional pass's, the unconditional's
     preview: torch.Tensor | None = None  # [1, image_seq_len, in_channels] the last step's predicted clean latents,
     # when params.previews asked for them, until the runner hands them out
@@ -67,7 +68,7 @@ class DenoiseState:
 
     @property
     def batch_key(self) -> tuple:
-        return (self.params.height, self.params.width, self.params.true_cfg, self.image_size)
+        return (self.params.height, self.params.width, self.params.true_cfg, self.image_sizes)
 
 
 def calculate_shift(image_seq_len: int, config) -> float:
@@ -162,7 +163,7 @@ class DenoiseRunner:
         for request in batch.new_requests:
             try:
                 self.states[request.request_id] = self.prepare(
-                    request.params, request.prompt, request.negative, request.image
+                    request.params, request.prompt, request.negative, request.images
                 )
             except Exception as err:  # a bad request fails alone
                 output.errors[request.request_id] = request_failure(err)
@@ -204,9 +205,9 @@ class DenoiseRunner:
         params: DenoiseParams,
         prompt: PromptEmbeds,
         negative: PromptEmbeds | None = None,
-        image: Latents | None = None,
+        images: tuple[Latents, ...] = (),
     ) -> DenoiseState:
-        """Draws the request's noise and schedule; an edit's image latents come along."""
+        """Draws the request's noise and schedule; an edit's image latents come along, in order."""
         check_side("height", params.height)
         check_side("width", params.width)
         if params.lora is not None and params.lora.key not in self.loras.slot_of:
@@ -228,8 +229,8 @@ class DenoiseRunner:
         scheduler.set_begin_index(0)
         do_true_cfg = params.true_cfg
         img_shapes = [(1, rows // 2, cols // 2)]
-        if image is not None:
-            img_shapes.append((1, image.height // SIZE_MULTIPLE, image.width // SIZE_MULTIPLE))
+        img_shapes += [(1, image.height // SIZE_MULTIPLE, image.width // SIZE_MULTIPLE) for image in images]
+        image = torch.cat([image.latents for image in images]).to(self.device, self.dtype) if images else None
         return DenoiseState(
             params=params,
             latents=latents,
@@ -237,8 +238,8 @@ class DenoiseRunner:
             prompt=prompt.embeds.to(self.device, self.dtype),
             negative=negative.embeds.to(self.device, self.dtype) if do_true_cfg else None,
             img_shapes=img_shapes,
-            image=image.latents.to(self.device, self.dtype).unsqueeze(0) if image is not None else None,
-            image_size=(image.height, image.width) if image is not None else None,
+            image=image.unsqueeze(0) if image is not None else None,
+            image_sizes=tuple((image.height, image.width) for image in images),
             caches=[BranchCache(params.cache)] * (2 if do_true_cfg else 1) if params.cache is not None else None,
         )
 
@@ -248,7 +249,7 @@ class DenoiseRunner:
         assert states and len({s.batch_key for s in states}) == 1, "mixed batch keys"
         cfg = states[0].params.true_cfg
         cond, uncond, caches = self.predict(states)
-        num_tokens = states[0].latents.shape[1]  # the prediction for the edit image's tokens is dropped
+        num_tokens = states[0].latents.shape[1]  # the prediction for the edit images' tokens is dropped
         for row, state in enumerate(states):
             pred = cond[row : row + 1, :num_tokens]
             if cfg:
@@ -268,7 +269,7 @@ class DenoiseRunner:
         caches after the step (the conditional passes' in state order, then the unconditional ones'). One forward:
         the unconditional rows ride behind the conditional ones, text padded to the longest of both."""
         latents = torch.cat([s.latents for s in states])
-        if states[0].image is not None:  # edits: the image's tokens follow the noisy ones
+        if states[0].image is not None:  # edits: the images' tokens follow the noisy ones
             latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)
         rows = len(states)
         cfg = states[0].params.true_cfg

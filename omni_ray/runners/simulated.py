@@ -48,9 +48,9 @@ class SimulatedEncoder:
         self.costs = costs or GpuCosts.h200()
         self.waiting: dict[str, int] = {}  # sequence id -> tokens, in arrival order
 
-    def add(self, request_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None:
+    def add(self, request_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
         tokens = len(token_ids)
-        if image is not None:  # the one placeholder token becomes the image's tokens
+        for image in images:  # each placeholder token becomes its image's tokens
             tokens += (image.shape[0] // VISION_PATCH) * (image.shape[1] // VISION_PATCH) - 1
         self.waiting[request_id] = tokens
 
@@ -113,7 +113,7 @@ class SimulatedDenoiser:
                 continue
             true_cfg = params.true_cfg
             texts = [request.prompt] + ([request.negative] if true_cfg else [])
-            extra = image_tokens(request.image.height, request.image.width) if request.image is not None else 0
+            extra = sum(image_tokens(*size) for size in request.image_sizes)
             self.states[request.request_id] = _Denoising(params, max(t.num_tokens for t in texts), true_cfg, extra)
         stepped = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
         if not stepped:

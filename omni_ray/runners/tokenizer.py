@@ -15,8 +15,8 @@ from omni_ray.records import PromptEmbeds, TokenCount
 class PromptTokenizer:
     """Wraps a prompt in the pipeline's template and tokenises it.
 
-    The edit template's image placeholder stays one ``<|image_pad|>`` token here; the vision path expands it to the
-    image's token count (``image_tokens``), as Qwen2.5-VL's processor does.
+    An edit template's image placeholders stay one ``<|image_pad|>`` token each here; the vision path expands each
+    to its image's token count (``image_tokens``), as Qwen2.5-VL's processor does.
     """
 
     def __init__(self, model: str, template: PromptTemplate = TEXT_TO_IMAGE):
@@ -33,31 +33,34 @@ class PromptTokenizer:
         patches = self.image_processor.get_number_of_image_patches(height, width)
         return patches // self.image_processor.merge_size**2
 
-    def num_tokens(self, prompt: str, image_size: tuple[int, int] | None = None) -> TokenCount:
-        """Tokens of the templated prompt, untruncated: its text's, and with ``image_size`` (height, width) the edit
-        image's (which replace the template's one image placeholder)."""
-        count = len(self.tokenizer(self.template.text.format(prompt)).input_ids)
+    def num_tokens(self, prompt: str, image_sizes: tuple[tuple[int, int], ...] = ()) -> TokenCount:
+        """Tokens of the templated prompt, untruncated: its text's, and the edit images' of ``image_sizes``
+        ((height, width) each, as the encoder reads them), which replace their placeholders."""
+        count = len(self.tokenizer(self.template.format(prompt, len(image_sizes))).input_ids)
         if not self.template.has_image:
             return TokenCount(count)
-        return TokenCount(count - 1, self.image_tokens(*image_size))
+        return TokenCount(count - len(image_sizes), sum(self.image_tokens(*size) for size in image_sizes))
 
-    def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of the templated prompt, truncated as diffusers truncates."""
-        text = self.template.text.format(prompt)
+    def tokenize(self, prompt: str, num_images: int = 0) -> list[int]:
+        """Token ids of the templated prompt (an edit's with ``num_images`` placeholders), truncated as diffusers
+        truncates."""
+        text = self.template.format(prompt, num_images)
         if not self.template.truncates:
             return self.tokenizer(text).input_ids
         return self.tokenizer(text, max_length=TOKENIZER_MAX_LENGTH + self.template.drop, truncation=True).input_ids
 
-    def vision_inputs(self, image: np.ndarray) -> dict[str, torch.Tensor]:
-        """The image as Qwen2.5-VL's vision tower takes it: ``pixel_values`` and ``image_grid_thw``."""
+    def vision_inputs(self, images: tuple[np.ndarray, ...]) -> dict[str, torch.Tensor]:
+        """The images as Qwen2.5-VL's vision tower takes them: ``pixel_values`` and ``image_grid_thw``."""
         from PIL import Image
 
-        return dict(self.image_processor(images=[Image.fromarray(image)], return_tensors="pt"))
+        return dict(self.image_processor(images=[Image.fromarray(image) for image in images], return_tensors="pt"))
 
-    def expand_image(self, token_ids: list[int], num_image_tokens: int) -> list[int]:
-        """Repeats the one ``<|image_pad|>`` token ``num_image_tokens`` times."""
-        at = token_ids.index(self.image_token_id)
-        return token_ids[:at] + [self.image_token_id] * num_image_tokens + token_ids[at + 1 :]
+    def expand_images(self, token_ids: list[int], counts: list[int]) -> list[int]:
+        """Repeats the i-th ``<|image_pad|>`` token ``counts[i]`` times."""
+        expanded, images = [], iter(counts)
+        for token in token_ids:
+            expanded.extend([token] * next(images) if token == self.image_token_id else [token])
+        return expanded
 
 
 def to_prompt_embeds(hidden: torch.Tensor, template: PromptTemplate, max_sequence_length: int) -> PromptEmbeds:

@@ -2,10 +2,10 @@
 transformers``), for platforms vLLM has no build for.
 
 It stands where ``VllmEncoder`` stands, under the same engine core (``engine.encoder_core``): token ids (and for an
-edit an image) in, each token's last hidden state out. Each step runs up to ``max_num_seqs`` queued text sequences as
-one right-padded batch with an attention mask, as diffusers' ``encode_prompt`` runs them, or one sequence with an
-image alone, its placeholder expanded to the image's tokens, as diffusers' edit pipeline runs each prompt with its
-image. It is slower than vLLM (no continuous batching, padding) and holds the vision tower even for text to image,
+edit its images) in, each token's last hidden state out. Each step runs up to ``max_num_seqs`` queued text sequences
+as one right-padded batch with an attention mask, as diffusers' ``encode_prompt`` runs them, or one sequence with
+images alone, each placeholder expanded to its image's tokens, as diffusers' edit pipelines run each prompt with its
+images. It is slower than vLLM (no continuous batching, padding) and holds the vision tower even for text to image,
 but needs nothing beyond transformers: pick it where vLLM cannot be installed.
 """
 
@@ -23,7 +23,7 @@ from omni_ray.runners.tokenizer import PromptTokenizer
 @dataclass(slots=True)
 class _Sequence:
     token_ids: list[int]
-    image: np.ndarray | None
+    images: tuple[np.ndarray, ...]
 
 
 class TransformersEncoder:
@@ -44,25 +44,25 @@ class TransformersEncoder:
         self.max_num_seqs = max_num_seqs
         self.waiting: OrderedDict[str, _Sequence] = OrderedDict()
 
-    def add(self, sequence_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None:
-        self.waiting[sequence_id] = _Sequence(token_ids, image)
+    def add(self, sequence_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
+        self.waiting[sequence_id] = _Sequence(token_ids, images)
 
     def abort(self, sequence_ids: list[str]) -> None:
         for sequence_id in sequence_ids:
             self.waiting.pop(sequence_id, None)
 
     def step(self) -> dict[str, torch.Tensor]:
-        """Runs the oldest sequence with an image alone, or up to ``max_num_seqs`` text sequences together."""
+        """Runs the oldest sequence with images alone, or up to ``max_num_seqs`` text sequences together."""
         if not self.waiting:
             return {}
         first_id, first = next(iter(self.waiting.items()))
-        if first.image is not None:
+        if first.images:
             del self.waiting[first_id]
-            count = self.tokenizer.image_tokens(*first.image.shape[:2])
-            ids = self.tokenizer.expand_image(first.token_ids, count)
-            vision = self.tokenizer.vision_inputs(first.image)
+            counts = [self.tokenizer.image_tokens(*image.shape[:2]) for image in first.images]
+            ids = self.tokenizer.expand_images(first.token_ids, counts)
+            vision = self.tokenizer.vision_inputs(first.images)
             return {first_id: last_hidden_states(self.model, [ids], self.tokenizer.pad_token_id, vision)[0]}
-        batch = [sid for sid, sequence in self.waiting.items() if sequence.image is None][: self.max_num_seqs]
+        batch = [sid for sid, sequence in self.waiting.items() if not sequence.images][: self.max_num_seqs]
         sequences = [self.waiting.pop(sid) for sid in batch]
         hidden = last_hidden_states(self.model, [s.token_ids for s in sequences], self.tokenizer.pad_token_id)
         return dict(zip(batch, hidden))
@@ -75,9 +75,9 @@ class TransformersEncoder:
 def last_hidden_states(model, token_ids: list[list[int]], pad_token_id: int,
                        vision: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Each sequence's last hidden state ``[num_tokens_i, hidden]`` from transformers' Qwen2.5-VL, the sequences run
-    as one right-padded batch with an attention mask. With ``vision`` (one image's ``pixel_values`` and
-    ``image_grid_thw``) the one sequence holds that image's tokens, already expanded."""
-    assert vision is None or len(token_ids) == 1, "one sequence per image"
+    as one right-padded batch with an attention mask. With ``vision`` (its images' ``pixel_values`` and
+    ``image_grid_thw``) the one sequence holds those images' tokens, already expanded."""
+    assert vision is None or len(token_ids) == 1, "images ride in one sequence"
     device = model.device
     max_len = max(len(ids) for ids in token_ids)
     input_ids = torch.full((len(token_ids), max_len), pad_token_id, dtype=torch.long)

@@ -1,6 +1,6 @@
 """The encoder stage's forward pass: Qwen2.5-VL under vLLM's V1 ``EngineCore``, in this process.
 
-Token ids (and for edits an image) in, each token's last hidden state out; ``tokenizer`` builds the ids and drops
+Token ids (and for edits their images) in, each token's last hidden state out; ``tokenizer`` builds the ids and drops
 the template's tokens from the result.
 """
 
@@ -52,14 +52,14 @@ def vision_model_dir(model: str) -> str:
 
 
 class VllmEncoder:
-    """Token ids (and for edits an image) to last hidden states with vLLM's V1 ``EngineCore``, in this process.
+    """Token ids (and for edits images) to last hidden states with vLLM's V1 ``EngineCore``, in this process.
 
     The only code that touches vLLM's internal engine API, written against vllm 0.32 (pinned): the pooling runner
     with the ``token_embed`` task over all tokens and no activation gives each token's last hidden state, and vLLM's
-    own scheduler batches concurrent sequences. With ``max_image_pixels`` the model runs with its vision tower:
-    vLLM's input processor runs Qwen2.5-VL's image processor, expands the image placeholder and places the vision
-    embeddings (with their M-RoPE positions) in the sequence; without it, only the language model loads. Call it
-    from one thread.
+    own scheduler batches concurrent sequences. With ``max_image_pixels`` the model runs with its vision tower, up to
+    ``max_images`` images a sequence: vLLM's input processor runs Qwen2.5-VL's image processor, expands each image
+    placeholder and places the vision embeddings (with their M-RoPE positions) in the sequence; without it, only the
+    language model loads. Call it from one thread.
     """
 
     def __init__(
@@ -70,6 +70,7 @@ class VllmEncoder:
         max_model_len: int = 1058,
         kv_cache_memory_bytes: int = 256 << 20,
         max_image_pixels: int | None = None,
+        max_images: int = 1,
         dummy: bool = False,
         gpu_memory_utilization: float = 0.9,
     ):
@@ -89,7 +90,7 @@ class VllmEncoder:
             # never binds; it sizes vLLM's encoder budget (its default, 16k tokens per image, would be profiled).
             modality = {
                 "model": vision_model_dir(model),
-                "limit_mm_per_prompt": {"image": 1, "video": 0},
+                "limit_mm_per_prompt": {"image": max_images, "video": 0},
                 "mm_processor_kwargs": {"max_pixels": max_image_pixels},
                 "mm_processor_cache_gb": 0,
             }
@@ -115,14 +116,15 @@ class VllmEncoder:
         self.pooling_params.verify(self.config.model_config)
         self.input_processor = InputProcessor(self.config) if vision else None
 
-    def add(self, request_id: str, token_ids: list[int], image: np.ndarray | None = None) -> None:
-        """Queues one sequence; with ``image``, its one ``<|image_pad|>`` token stands for the image."""
+    def add(self, request_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
+        """Queues one sequence; with ``images``, its i-th ``<|image_pad|>`` token stands for the i-th image."""
         from vllm.v1.engine import EngineCoreRequest
 
-        if image is not None:
+        if images:
             from PIL import Image
 
-            prompt = {"prompt_token_ids": token_ids, "multi_modal_data": {"image": Image.fromarray(image)}}
+            pictures = [Image.fromarray(image) for image in images]
+            prompt = {"prompt_token_ids": token_ids, "multi_modal_data": {"image": pictures}}
             request = self.input_processor.process_inputs(
                 request_id, prompt, self.pooling_params, supported_tasks=("token_embed",)
             )

@@ -162,9 +162,9 @@ class Encoder(_EngineShim):
                 "prompt_cache": {"hits": cache.num_hits, "misses": cache.num_misses, "entries": len(cache),
                                  "bytes": cache.nbytes} if cache is not None else None}
 
-    async def encode(self, request: EncodeRequest, image: np.ndarray | None = None) -> EncodedPrompt:
-        """``image`` comes apart from the request so that Ray resolves the coordinator's reference to it."""
-        request.image = image
+    async def encode(self, request: EncodeRequest, *images: np.ndarray) -> EncodedPrompt:
+        """``images`` come apart from the request so that Ray resolves the coordinator's references to them."""
+        request.images = images
         return await self._run(request, "encoded", {})
 
 
@@ -202,15 +202,18 @@ class DiT(_EngineShim):
         return await asyncio.to_thread(self.files.check, path, self.loras.shapes)
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: Upstream, image: Upstream | None = None
+        self, request_id: str, params: DenoiseParams, prompt: Upstream, *images: Upstream
     ) -> AsyncIterator[StepDone | Latents]:
         """Denoises one image: ``StepDone`` after every step, each followed by what it announces (a preview's
-        latents, or the image's): ``request_path.read_step_stream`` reads it. An edit brings its input image's
+        latents, or the image's): ``request_path.read_step_stream`` reads it. An edit brings its input images'
         latents (the VAE's ``encode``). The caller reads the stream by reference; closing it aborts the request."""
         encoded: EncodedPrompt = await prompt.resolve()
-        image_latents: Latents | None = await image.resolve() if image is not None else None
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image_latents)
-        timings = {**encoded.timings, **(image_latents.timings if image_latents is not None else {})}
+        image_latents: list[Latents] = [await image.resolve() for image in images]
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, tuple(image_latents))
+        timings = dict(encoded.timings)
+        for latents in image_latents:  # encoded side by side: the longest is the time they took
+            for stage, seconds in latents.timings.items():
+                timings[stage] = max(seconds, timings.get(stage, 0.0))
         if params.lora is not None:
             await self._route(params.lora.name)
         self.load.add(request_id, params.priority, request.work_tokens, params.num_inference_steps)

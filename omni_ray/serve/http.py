@@ -39,6 +39,7 @@ async def read_limited(request: Request, limit: int, param: str | None = None) -
 
 
 IMAGE_FIELDS = ("image", "image[]")  # OpenAI's client names one file `image`, a list `image[]`
+MAX_FILES = 8  # files a multipart body may hold at all (Edit-Plus takes three images)
 
 
 async def json_object(request: Request, fields: tuple[str, ...]) -> dict:
@@ -57,8 +58,9 @@ async def json_object(request: Request, fields: tuple[str, ...]) -> dict:
     return body
 
 
-async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], bytes | None]:
-    """An edit's multipart form: its text fields, and the bytes of its one ``image`` file (None when missing)."""
+async def edit_form(request: Request, limit: int, max_images: int) -> tuple[dict[str, str], list[bytes]]:
+    """An edit's multipart form: its text fields, and the bytes of its ``image`` files in order (``image``, or
+    ``image[]`` as OpenAI's client sends a list); more than ``max_images`` is refused before any is decoded."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise RequestError("request body must be multipart/form-data with an `image` file and a `prompt`", param=None)
@@ -68,9 +70,12 @@ async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], bytes
         return {"type": "http.request", "body": body, "more_body": False}
 
     try:
-        form = await Request(request.scope, replay).form(max_files=4, max_fields=64)
+        form = await Request(request.scope, replay).form(max_files=MAX_FILES, max_fields=64)
     except Exception as err:  # Starlette's parser raises HTTPException or MultiPartException
-        raise RequestError(f"malformed multipart body: {getattr(err, 'detail', err)}", param=None) from None
+        detail = getattr(err, "detail", err)
+        if "Too many files" in str(detail):
+            raise RequestError(f"image: at most {max_images} input images per request", param="image") from None
+        raise RequestError(f"malformed multipart body: {detail}", param=None) from None
     fields, images = {}, []
     try:
         for name, value in form.multi_items():
@@ -88,9 +93,10 @@ async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], bytes
                 fields[name] = value
     finally:
         await form.close()  # uploads past 1 MiB spill to temporary files
-    if len(images) > 1:
-        raise RequestError(f"image: one input image per request, got {len(images)}", param="image")
-    return fields, images[0] if images else None
+    if len(images) > max_images:
+        more = "one input image" if max_images == 1 else f"at most {max_images} input images"
+        raise RequestError(f"image: {more} per request, got {len(images)}", param="image")
+    return fields, images
 
 
 async def json_body(request: Request) -> object:

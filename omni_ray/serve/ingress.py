@@ -21,12 +21,12 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from omni_ray.api.images import load_input_image, write_image_file
+from omni_ray.api.images import load_input_images, write_image_file
 from omni_ray.api.planning import GenerationPlan, check_route, plan_request
 from omni_ray.api.responses import (
     completed_event,
@@ -63,7 +63,7 @@ class Observer:
 class Coordinator:
     """Plans requests and views their event streams: JSON, server-sent events, or records for handle callers.
 
-    ``count_tokens(text, image_size)`` gives a prompt's templated length (a ``TokenCount``), checked against the
+    ``count_tokens(text, image_sizes)`` gives a prompt's templated length (a ``TokenCount``), checked against the
     encoder's limit and counted in ``usage``; ``unready()`` names the deployments without a running replica, for
     ``/health``. ``adapters`` holds the LoRA adapters loaded at run time (the preset's come from ``config``), and
     ``api_keys`` the keys ``/v1/...`` routes take (none: the server is open).
@@ -107,9 +107,11 @@ class Coordinator:
         with self._counting_errors():
             tenant = self.authorize(request)
             check_route(self.config, has_image=True)  # before reading an upload the preset cannot use
-            fields, image = await http.edit_form(request, http.MAX_BODY_BYTES + self.config.edit.max_image_bytes)
+            edit = self.config.edit
+            fields, images = await http.edit_form(request, http.MAX_BODY_BYTES + edit.max_images *
+                                                  edit.max_image_bytes, edit.max_images)
             body = parse_request(fields, form=True)
-        return await self.respond(await self.plan(body, image or b"", tenant), request)  # b"": "image: required"
+        return await self.respond(await self.plan(body, images, tenant), request)  # []: "image: required"
 
     async def page(self) -> HTMLResponse:
         """The try-it page: a form over the images API with live previews (serve/web)."""
@@ -181,13 +183,16 @@ class Coordinator:
     # --- handle callers: the same views, by method ------------------------------------------------------------
 
     async def generate(
-        self, body: dict | ImageGenerationRequest, request_id: str | None = None, image: bytes | None = None
+        self, body: dict | ImageGenerationRequest, request_id: str | None = None,
+        image: bytes | Sequence[bytes] | None = None,
     ) -> dict:
-        """The images response for an OpenAI-style body (and for an edit the input image file), as HTTP gets it."""
+        """The images response for an OpenAI-style body (and for an edit the input image file, or a list of
+        them), as HTTP gets it."""
         return await self.json_response(await self.plan(body, image), request_id or uuid.uuid4().hex)
 
     async def generate_stream(
-        self, body: dict | ImageGenerationRequest, request_id: str | None = None, image: bytes | None = None
+        self, body: dict | ImageGenerationRequest, request_id: str | None = None,
+        image: bytes | Sequence[bytes] | None = None,
     ) -> AsyncIterator[dict]:
         """The streamed events, as server-sent events carry them (``handle.options(stream=True)``)."""
         async for event in self.sse_events(await self.plan(body, image), request_id or uuid.uuid4().hex):
@@ -198,7 +203,7 @@ class Coordinator:
         body: dict | ImageGenerationRequest,
         request_id: str | None = None,
         output: OutputMode = "pixels",
-        image: bytes | None = None,
+        image: bytes | Sequence[bytes] | None = None,
     ) -> list[Decoded]:
         """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
         return await collect(self.events(await self.plan(body, image), request_id or uuid.uuid4().hex, output))
@@ -215,17 +220,19 @@ class Coordinator:
         body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
         return Response(body, media_type="application/json", headers=headers)
 
-    async def plan(self, body: dict | ImageGenerationRequest, image: bytes | None = None, tenant: str | None = None
-                   ) -> GenerationPlan:
+    async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
+                   tenant: str | None = None) -> GenerationPlan:
         """Validates before any stage sees the request, and admits it when the DiT's queue can finish it before its
-        deadline; an edit's image is decoded and resized off the event loop, a few at a time. ``tenant`` (the
-        caller's API key's name) replaces the body's ``user`` as whom the DiT shares its steps between."""
+        deadline; an edit's images (one file, or a list) are decoded and resized off the event loop, a few requests
+        at a time. ``tenant`` (the caller's API key's name) replaces the body's ``user`` as whom the DiT shares its
+        steps between."""
         with self._counting_errors():
-            pixels = None
+            inputs = None
             if image is not None and self.config.edit is not None:
+                files = [image] if isinstance(image, bytes) else list(image)
                 async with self.image_slots:
-                    pixels = await asyncio.to_thread(load_input_image, image, self.config)
-            plan = plan_request(body, self.config, self.count_tokens, pixels, await self._adapters_for(body),
+                    inputs = await asyncio.to_thread(load_input_images, files, self.config)
+            plan = plan_request(body, self.config, self.count_tokens, inputs, await self._adapters_for(body),
                                 has_image=image is not None)
             if tenant is not None:
                 plan = dataclasses.replace(plan, tenant=tenant)

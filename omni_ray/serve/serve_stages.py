@@ -105,8 +105,8 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
     def put_image(self, image: np.ndarray) -> ray.ObjectRef:
         return ray.put(image)
 
-    def encode_prompt(self, request: EncodeRequest, image: ray.ObjectRef | None) -> DeploymentResponse:
-        return self.encoder.encode.remote(request, image)
+    def encode_prompt(self, request: EncodeRequest, images: tuple[ray.ObjectRef, ...]) -> DeploymentResponse:
+        return self.encoder.encode.remote(request, *images)
 
     def encode_image(self, request_id: str, image: ray.ObjectRef) -> DeploymentResponse:
         return self.vae.encode.remote(request_id, image)
@@ -116,11 +116,11 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         request_id: str,
         params: DenoiseParams,
         prompt: DeploymentResponse,
-        image_latents: DeploymentResponse | None,
+        image_latents: tuple[DeploymentResponse, ...],
     ) -> AsyncIterator[DenoiseEvent]:
         inputs = [await _upstream(prompt, "encoder", StageCall.ENCODE_PROMPT)]
-        if image_latents is not None:
-            inputs.append(await _upstream(image_latents, "vae", StageCall.ENCODE_IMAGE))
+        for latents in image_latents:
+            inputs.append(await _upstream(latents, "vae", StageCall.ENCODE_IMAGE))
         dit = self.dit.options(multiplexed_model_id=params.lora.name) if params.lora is not None else self.dit
         stream = dit.denoise.remote(request_id, params, *inputs)
         try:
