@@ -72,16 +72,18 @@ class LocalStages(Stages[object]):
         request.images = images
         return asyncio.ensure_future(self.encoder.generate(request))
 
-    def encode_image(self, request_id: str, image: np.ndarray) -> asyncio.Future:
-        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image)))
+    def encode_image(self, request_id: str, image: np.ndarray, seed: int | None = None) -> asyncio.Future:
+        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image, seed)))
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: tuple[asyncio.Future, ...]
+        self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: tuple[asyncio.Future, ...],
+        start: asyncio.Future | None = None,
     ) -> AsyncIterator[DenoiseEvent]:
         # Shielded: the n images of a request share these calls, and one image's cancellation must not cancel them.
         encoded = await asyncio.shield(prompt)
         images = tuple([await asyncio.shield(latents) for latents in image_latents])
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, images)
+        start_latents = await asyncio.shield(start) if start is not None else None
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, images, start_latents)
         async with self.loras.use(params.lora):
             async for item in self.dit.stream(request):
                 yield item  # the engine's typed stream; its latents are the handles

@@ -52,6 +52,15 @@ def uses_true_cfg(true_cfg_scale: float, has_negative: bool) -> bool:
     return true_cfg_scale > 1 and has_negative
 
 
+INPAINT_STRENGTH = 0.6  # diffusers' inpaint pipelines' default strength
+
+
+def inpaint_start(num_steps: int, strength: float) -> int:
+    """The step a masked edit starts at, as diffusers' inpaint pipelines truncate the schedule (``get_timesteps``):
+    ``strength`` 1 runs every step from pure noise, less starts later from the image noised to that step's level."""
+    return int(max(num_steps - min(num_steps * strength, num_steps), 0))
+
+
 USER_TURN = "<|im_start|>user\n"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 

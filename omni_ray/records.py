@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, NamedTuple, TypeVar
 
 from omni_ray.config import CacheSettings
-from omni_ray.qwen_image import dit_work_tokens
+from omni_ray.qwen_image import dit_work_tokens, inpaint_start
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,6 +46,10 @@ class InputImages:
 
     vae: tuple[np.ndarray, ...]
     encoder: tuple[np.ndarray, ...]
+    mask: np.ndarray | None = None  # a masked edit's mask on the output's latent grid (uint8 [H/8, W/8], 1 repaints):
+    # the DiT starts from vae[0], noised, and keeps it where the mask is 0
+    conditions: bool = True  # the DiT attends over the vae images (edits); False: text-to-image inpainting, where
+    # vae[0] (at the output size) is only where denoising starts
 
     @classmethod
     def of(cls, image: np.ndarray | InputImages) -> InputImages:
@@ -56,6 +60,21 @@ class InputImages:
     def sizes(self) -> tuple[tuple[int, int], ...]:
         """(height, width) of each image as the VAE and the DiT take it."""
         return tuple(image.shape[:2] for image in self.vae)
+
+    @property
+    def condition_sizes(self) -> tuple[tuple[int, int], ...]:
+        """(height, width) of each image the DiT attends over."""
+        return self.sizes if self.conditions else ()
+
+
+@dataclass(frozen=True, slots=True)
+class Inpaint:
+    """What a masked edit asks of the DiT, as diffusers' inpaint pipelines run it: start ``qwen_image.inpaint_start``
+    steps into the schedule from the start image's latents noised to that level, and after every step put back the
+    start image (noised to the next level) where ``mask`` is 0."""
+
+    mask: np.ndarray  # uint8 [H/8, W/8], the output's latent grid: 1 repaints, 0 keeps
+    strength: float
 
 
 # --- encoder -------------------------------------------------------------------------------------------------------
@@ -112,11 +131,22 @@ class DenoiseParams:
     tenant: str = ""  # who sent it (an API key's name, or OpenAI's `user`): the DiT shares steps fairly between them
     scheduler: tuple[tuple[str, object], ...] = ()  # scheduler settings over the checkpoint's (an adapter's recipe):
     # the request's own sigmas; never splits a batch
+    inpaint: Inpaint | None = None  # a masked edit: its mask and strength; never splits a batch
 
     def __post_init__(self) -> None:
-        if any(not 0 < step < self.num_inference_steps for step in self.previews):
-            raise ValueError(f"previews: steps within 1..{self.num_inference_steps - 1} (the last step's image is the "
-                             "result)")
+        if any(not self.first_step < step < self.num_inference_steps for step in self.previews):
+            raise ValueError(f"previews: steps within {self.first_step + 1}..{self.num_inference_steps - 1} (the last "
+                             "step's image is the result)")
+
+    @property
+    def first_step(self) -> int:
+        """The step of the schedule denoising starts at: 0, or a masked edit's (``qwen_image.inpaint_start``)."""
+        return inpaint_start(self.num_inference_steps, self.inpaint.strength) if self.inpaint is not None else 0
+
+    @property
+    def steps_run(self) -> int:
+        """Denoising steps the image runs (what its progress counts)."""
+        return self.num_inference_steps - self.first_step
 
 
 BatchKey = tuple[int, int, bool, tuple[tuple[int, int], ...]]  # height, width, true CFG, an edit's input image sizes
@@ -132,10 +162,13 @@ class DenoiseRequest:
     prompt: PromptEmbeds
     negative: PromptEmbeds | None = None
     images: tuple[Latents, ...] = ()
+    start: Latents | None = None  # a masked edit's start image's latents, sampled with the request's seed
 
     def __post_init__(self) -> None:
         if self.params.true_cfg and self.negative is None:
             raise ValueError(f"request {self.request_id}: true CFG needs the negative prompt's embeddings")
+        if (self.params.inpaint is None) != (self.start is None):
+            raise ValueError(f"request {self.request_id}: a masked edit needs its mask and its start image's latents")
 
     @property
     def batch_key(self) -> BatchKey:
@@ -222,10 +255,12 @@ class DecodeRequest:
 
 @dataclass(slots=True)
 class ImageEncodeRequest:
-    """One of an edit's input images, to become latents the DiT denoises beside."""
+    """One of an edit's input images, to become latents the DiT denoises beside (the latent distribution's mode), or
+    a masked edit's start image (a sample of it, drawn with ``seed`` as diffusers' inpaint pipelines draw it)."""
 
     request_id: str
     image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)
+    seed: int | None = None
 
     @property
     def batch_key(self) -> tuple[str, int, int]:

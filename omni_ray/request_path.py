@@ -62,15 +62,18 @@ class Stages(ABC, Generic[Handle]):
         """Starts encoding the prompt (and the negative prompt, when given), with the edit's images."""
 
     @abstractmethod
-    def encode_image(self, request_id: str, image: Handle) -> Handle:
-        """Starts encoding one of an edit's input images to latents the DiT edits beside."""
+    def encode_image(self, request_id: str, image: Handle, seed: int | None = None) -> Handle:
+        """Starts encoding one of an edit's input images to latents the DiT edits beside (the distribution's mode),
+        or with ``seed`` a masked edit's start image (a sample drawn with it)."""
 
     @abstractmethod
     def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: tuple[Handle, ...]
+        self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: tuple[Handle, ...],
+        start: Handle | None = None,
     ) -> AsyncIterator[DenoiseEvent]:
-        """Denoises one image: ``StepDone`` after every step (then ``Preview`` when the step has one), then
-        ``Finished``; both carry handles to latents. Closing it aborts the call."""
+        """Denoises one image (a masked edit from its ``start`` latents): ``StepDone`` after every step (then
+        ``Preview`` when the step has one), then ``Finished``; both carry handles to latents. Closing it aborts the
+        call."""
 
     @abstractmethod
     async def decode(self, request_id: str, latents: Handle, output: OutputMode, preview: bool = False) -> Decoded:
@@ -174,12 +177,14 @@ async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
 
 def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
     """Image ``index``'s DiT parameters: its seed is the request's plus ``index``; a streamed request's
-    ``partial_images`` previews come after steps spread evenly before the last."""
+    ``partial_images`` previews come after steps spread evenly before the last (of those a masked edit runs)."""
     request = plan.request
+    first = plan.num_inference_steps - plan.steps_run  # a masked edit skips the schedule's first steps
+    previews = preview_steps(request.partial_images if request.stream else 0, plan.steps_run)
     return DenoiseParams(
         plan.height, plan.width, plan.num_inference_steps, plan.seed + index, plan.true_cfg_scale, plan.cache,
-        plan.lora, preview_steps(request.partial_images if request.stream else 0, plan.num_inference_steps),
-        true_cfg=plan.true_cfg, priority=request.priority, tenant=plan.tenant, scheduler=plan.scheduler,
+        plan.lora, tuple(first + step for step in previews), true_cfg=plan.true_cfg, priority=request.priority,
+        tenant=plan.tenant, scheduler=plan.scheduler, inpaint=plan.inpaint,
     )
 
 
@@ -206,7 +211,8 @@ class _SharedInputs:
         self.images = tuple(map(put, inputs.vae)) if inputs is not None else ()
         self.prompt_images = tuple(map(put, inputs.encoder)) if inputs is not None else ()
         self.prompt = self._encode_prompt()
-        self.image_latents = self._encode_images()
+        self.masked = plan.inpaint is not None  # each image starts from its own sample of the first input image
+        self.image_latents = self._encode_images() if not self.masked else ()
 
     def _encode_prompt(self) -> Handle:
         request = self.plan.request
@@ -216,6 +222,17 @@ class _SharedInputs:
     def _encode_images(self) -> tuple[Handle, ...]:
         return tuple(self.stages.encode_image(f"{self.request_id}-input{i}", image)
                      for i, image in enumerate(self.images))
+
+    def encode_start(self, image_id: str, seed: int) -> Handle:
+        """A masked edit's start latents for one image: its first input image sampled with the image's seed."""
+        return self.stages.encode_image(f"{image_id}-start", self.images[0], seed)
+
+    def conditions(self, start: Handle | None) -> tuple[Handle, ...]:
+        """The image latents an image's DiT call attends over: the shared ones, or a masked edit's start latents
+        (as diffusers' edit inpainting conditions on its sample), none for text-to-image inpainting."""
+        if start is None:
+            return self.image_latents
+        return (start,) if self.plan.inputs.conditions else ()
 
     def reissue(self, call: StageCall, lost: Handle | tuple[Handle, ...]) -> None:
         if call is StageCall.ENCODE_PROMPT and self.prompt is lost:
@@ -244,13 +261,14 @@ async def _run_image(
     latents: Handle | None = None
     retries = 0
     previews = _Previews(stages, index, emit, len(params.previews))
+    start = inputs.encode_start(image_id, params.seed) if inputs.masked else None
     try:
         while True:
             call_id = image_id if not retries else f"{image_id}-retry{retries}"
-            prompt, image_latents = inputs.prompt, inputs.image_latents
+            prompt, image_latents = inputs.prompt, inputs.conditions(start)
             try:
                 if latents is None:
-                    async for event in stages.denoise(call_id, params, prompt, image_latents):
+                    async for event in stages.denoise(call_id, params, prompt, image_latents, start):
                         if isinstance(event, StepDone):
                             emit(Progress(index, event.step, event.total))
                         elif isinstance(event, Preview):
@@ -269,6 +287,9 @@ async def _run_image(
                                max_retries)
                 if lost.call is not StageCall.DECODE:  # the latents are gone or were never made: denoise again
                     latents = None
+                if lost.call is StageCall.ENCODE_IMAGE and start is not None:
+                    stages.cancel(start)
+                    start = inputs.encode_start(image_id, params.seed)
                 inputs.reissue(lost.call, prompt if lost.call is StageCall.ENCODE_PROMPT else image_latents)
                 await asyncio.sleep(0.2 * retries)  # let Serve notice the dead replica before the retry is routed
     except OmniRayError as err:
@@ -278,6 +299,8 @@ async def _run_image(
         emit(Failed(EngineError(f"{type(err).__name__}: {err}")))
     finally:
         previews.cancel()
+        if start is not None:
+            stages.cancel(start)
 
 
 class _Previews:

@@ -57,8 +57,8 @@ class FakeStages(Stages[Call]):
             self.lost.add(id(call))
         return call
 
-    def encode_image(self, request_id, image):
-        return self._call("encode_image", request_id, image)
+    def encode_image(self, request_id, image, seed=None):
+        return self._call("encode_image", request_id, image, *([seed] if seed is not None else []))
 
     async def _run(self, call: Call):
         if call.name in self.fail:
@@ -70,18 +70,18 @@ class FakeStages(Stages[Call]):
                 call.cancelled = True
                 raise
 
-    async def denoise(self, request_id, params, prompt, image_latents):
-        call = self._call("denoise", request_id, params, prompt, image_latents)
+    async def denoise(self, request_id, params, prompt, image_latents, start=None):
+        call = self._call("denoise", request_id, params, prompt, image_latents, start)
         if id(prompt) in self.lost:
             raise StageLostError("encoder", StageCall.ENCODE_PROMPT)
         await self._run(call)
-        for step in range(1, params.num_inference_steps + 1):
+        for step in range(1, params.steps_run + 1):
             await asyncio.sleep(0)
-            if step in params.previews:
-                yield StepDone(step, params.num_inference_steps, Follows.PREVIEW)
+            if params.first_step + step in params.previews:
+                yield StepDone(step, params.steps_run, Follows.PREVIEW)
                 yield Preview(Call("preview", (step, params)))
             else:
-                yield StepDone(step, params.num_inference_steps)
+                yield StepDone(step, params.steps_run)
         if self._loses("denoise"):
             raise StageLostError("dit", StageCall.DENOISE)
         yield Finished(call)

@@ -19,12 +19,18 @@ diffusers' QwenImageEditPipeline is the reference for edits, with two settings:
 
 from __future__ import annotations
 
+import contextlib
+import io
 from unittest import mock
 
 import numpy as np
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from diffusers.pipelines.qwenimage import (
+    pipeline_qwenimage_edit,
+    pipeline_qwenimage_edit_inpaint,
+    pipeline_qwenimage_edit_plus,
+)
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -134,6 +140,31 @@ def reference_edit_plus(pipe: QwenImageEditPlusPipeline, edit: EditConfig, image
     ):
         pixels = pipe(image=images, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs)
     return (pixels.images[0] * 255).round().astype(np.uint8)
+
+
+def reference_masked(pipe, image: Image.Image, repaint: Image.Image, seed: int, image_area: int | None = None,
+                     **kwargs) -> np.ndarray:
+    """uint8 ``[H, W, 3]``: diffusers' inpaint pipeline ``pipe`` (QwenImageInpaintPipeline; or
+    QwenImageEditInpaintPipeline, its working area set to ``image_area``) on ``image``, repainting where
+    ``repaint`` (diffusers' mask image) is white."""
+    patch = contextlib.nullcontext()
+    if image_area is not None:
+        calculate = pipeline_qwenimage_edit_inpaint.calculate_dimensions
+        patch = mock.patch.object(pipeline_qwenimage_edit_inpaint, "calculate_dimensions",
+                                  lambda _, ratio: calculate(image_area, ratio))
+    with patch:
+        pixels = pipe(image=image, mask_image=repaint, generator=torch.Generator("cpu").manual_seed(seed),
+                      output_type="np", **kwargs)
+    return (pixels.images[0] * 255).round().astype(np.uint8)
+
+
+def openai_mask(repaint: np.ndarray) -> bytes:
+    """OpenAI's mask for a boolean ``[H, W]`` array: an RGBA PNG, fully transparent where ``repaint`` is set."""
+    pixels = np.zeros((*repaint.shape, 4), np.uint8)
+    pixels[..., 3] = np.where(repaint, 0, 255)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, mode="RGBA").save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def source_image(width: int, height: int, seed: int) -> Image.Image:

@@ -12,7 +12,7 @@ from conftest import REPO
 from omni_ray.config import load_config
 from testing.local_serve import LocalServe
 from testing.openai_api import conforms
-from testing.reference import load_reference, reference_edit, source_image
+from testing.reference import load_reference, openai_mask, reference_edit, reference_masked, source_image
 from testing.serving import assert_stops_within_10_s_leaving_no_vllm_file, png, stage_stats, within_one_level
 
 pytestmark = pytest.mark.serve
@@ -129,6 +129,28 @@ def test_edit_streams_progress_then_the_image_and_the_python_client_edits(served
     assert np.asarray(cached[0]).tolist() == png(item["b64_json"]).tolist()
 
 
+def test_the_official_client_sends_a_mask_and_the_edit_equals_diffusers_edit_inpainting(served, edit_dir, image_area):
+    import openai
+    from diffusers import QwenImageEditInpaintPipeline
+    from PIL import Image
+
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    source = source_image(180, 100, seed=6)
+    repaint = np.zeros((100, 180), bool)
+    repaint[20:70, 90:160] = True
+    result = client.images.edit(image=("photo.png", file_bytes(source), "image/png"),
+                                mask=("mask.png", openai_mask(repaint), "image/png"), prompt="a blue box", n=2,
+                                extra_body={"seed": 4, "num_inference_steps": 4, "strength": 0.75,
+                                            "negative_prompt": "blurry"})
+    conforms("ImagesResponse", result.to_dict())
+    reference = load_reference(edit_dir, pipeline=QwenImageEditInpaintPipeline)
+    for i, item in enumerate(result.data):
+        expected = reference_masked(reference, source, Image.fromarray(repaint.astype(np.uint8) * 255), seed=4 + i,
+                                    image_area=image_area, prompt="a blue box", negative_prompt="blurry",
+                                    true_cfg_scale=4.0, num_inference_steps=4, strength=0.75)
+        assert within_one_level(png(item.b64_json), expected), i
+
+
 def multipart_without_image() -> bytes:
     return b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nmake it red\r\n--b--\r\n"
 
@@ -148,8 +170,27 @@ BAD_EDITS = {
     "two images": ({"prompt": "make it red"}, [("image[]", ("a.png", PHOTO, "image/png")),
                                                ("image[]", ("b.png", PHOTO, "image/png"))], 400, "image"),
     "image as text": ({"prompt": "make it red", "image": "photo.png"}, [("x", ("x", b"x"))], 400, "image"),
-    "mask": ({"prompt": "make it red"}, [("image", ("a.png", PHOTO, "image/png")),
-                                         ("mask", ("m.png", PHOTO, "image/png"))], 400, "mask"),
+    "mask without alpha": ({"prompt": "make it red"}, [("image", ("a.png", PHOTO, "image/png")),
+                                                       ("mask", ("m.png", PHOTO, "image/png"))], 400, "mask"),
+    "opaque mask": ({"prompt": "make it red"}, [("image", ("a.png", PHOTO, "image/png")),
+                                                ("mask", ("m.png", openai_mask(np.zeros((100, 180), bool)),
+                                                          "image/png"))], 400, "mask"),
+    "mask of another size": ({"prompt": "make it red"}, [("image", ("a.png", PHOTO, "image/png")),
+                                                         ("mask", ("m.png", openai_mask(np.ones((50, 90), bool)),
+                                                                   "image/png"))], 400, "mask"),
+    "two masks": ({"prompt": "make it red"}, [("image", ("a.png", PHOTO, "image/png")),
+                                              ("mask", ("m.png", openai_mask(np.ones((100, 180), bool)), "image/png")),
+                                              ("mask", ("n.png", openai_mask(np.ones((100, 180), bool)), "image/png"))],
+                  400, "mask"),
+    "mask as text": ({"prompt": "make it red", "mask": "m.png"}, [("image", ("a.png", PHOTO, "image/png"))], 400,
+                     "mask"),
+    "strength without a mask": ({"prompt": "make it red", "strength": "0.5"}, [("image", ("a.png", PHOTO,
+                                                                                           "image/png"))], 400,
+                                "strength"),
+    "strength above 1": ({"prompt": "make it red", "strength": "1.5"}, [("image", ("a.png", PHOTO, "image/png")),
+                                                                         ("mask", ("m.png", openai_mask(
+                                                                             np.ones((100, 180), bool)),
+                                                                             "image/png"))], 400, "strength"),
     "no prompt": ({}, [("image", ("a.png", PHOTO, "image/png"))], 400, "prompt"),
     "blank prompt": ({"prompt": " "}, [("image", ("a.png", PHOTO, "image/png"))], 400, "prompt"),
     "bad n": ({"prompt": "make it red", "n": "two"}, [("image", ("a.png", PHOTO, "image/png"))], 400, "n"),

@@ -7,6 +7,7 @@
     images = Client.ray(address="auto").generate("a red cat", n=4)   # after the app is deployed
     images = Client.http().edit("cat.png", "make the cat blue")      # an app serving an edit preset
     images = Client.http().edit(["a.png", "b.png"], "put the cat on the sofa")   # an Edit-Plus preset
+    images = Client.http().edit("cat.png", "a dog", mask="mask.png")  # repaint where the PNG mask is transparent
 
 Both return PIL images and raise ``RequestError`` (the request was invalid) or ``EngineError`` (a stage failed).
 """
@@ -43,12 +44,15 @@ def connect_ray(address: str | None = "auto", **options: Any) -> None:
     context._set_global_client(None)
 
 
+Uploads = tuple[list[bytes], "bytes | None"]  # an edit's image files, and its mask file
+
+
 class Client:
     """Sends OpenAI-style image requests to the app and decodes the images."""
 
     def __init__(self, send, stream):
-        self._send = send  # (body dict, edit's image files or None) -> response dict
-        self._stream = stream  # (body dict, image or None) -> iterator of event dicts
+        self._send = send  # (body dict, an edit's Uploads or None) -> response dict
+        self._stream = stream  # (body dict, Uploads or None) -> iterator of event dicts
 
     @classmethod
     def http(cls, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 600.0, api_key: str | None = None
@@ -59,25 +63,25 @@ class Client:
         api_key = api_key or os.environ.get("OMNI_RAY_API_KEY", "").split(",")[0].strip() or None
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-        def post(body: dict, image: list[bytes] | None):
-            if image is None:
+        def post(body: dict, uploads: Uploads | None):
+            if uploads is None:
                 url, data = base_url + "/v1/images/generations", json.dumps(body).encode()
                 content_type = "application/json"
             else:
                 url = base_url + "/v1/images/edits"
-                data, content_type = _multipart(body, image)
+                data, content_type = _multipart(body, *uploads)
             request = urllib.request.Request(url, data=data, headers={"Content-Type": content_type, **auth})
             try:
                 return urllib.request.urlopen(request, timeout=timeout_s)
             except urllib.error.HTTPError as err:
                 raise _error_from_body(err.code, err.read()) from None
 
-        def send(body: dict, image: list[bytes] | None) -> dict:
-            with post(body, image) as response:
+        def send(body: dict, uploads: Uploads | None) -> dict:
+            with post(body, uploads) as response:
                 return json.loads(response.read())
 
-        def stream(body: dict, image: list[bytes] | None) -> Iterator[dict]:
-            with post({**body, "stream": True, "progress": True}, image) as response:
+        def stream(body: dict, uploads: Uploads | None) -> Iterator[dict]:
+            with post({**body, "stream": True, "progress": True}, uploads) as response:
                 for line in response:
                     if line.startswith(b"data: "):
                         yield json.loads(line[len(b"data: "):])
@@ -95,15 +99,18 @@ class Client:
             connect_ray(address)
         handle = serve.get_app_handle(app_name)
 
-        def send(body: dict, image: list[bytes] | None) -> dict:
+        def send(body: dict, uploads: Uploads | None) -> dict:
+            images, mask = uploads or (None, None)
             try:
-                return handle.generate.remote(body, image=image).result()
+                return handle.generate.remote(body, image=images, mask=mask).result()
             except RayTaskError as err:  # the coordinator's own error, without Ray's traceback text
                 raise err.cause from None
 
-        def stream(body: dict, image: list[bytes] | None) -> Iterator[dict]:
+        def stream(body: dict, uploads: Uploads | None) -> Iterator[dict]:
+            images, mask = uploads or (None, None)
             try:
-                yield from handle.options(stream=True).generate_stream.remote({**body, "progress": True}, image=image)
+                yield from handle.options(stream=True).generate_stream.remote({**body, "progress": True}, image=images,
+                                                                              mask=mask)
             except RayTaskError as err:
                 raise err.cause from None
 
@@ -115,14 +122,16 @@ class Client:
         shows a progress bar of its denoising steps."""
         return self._images(prompt, None, progress, options)
 
-    def edit(self, image, prompt: str, progress: bool = False, **options: Any) -> list:
+    def edit(self, image, prompt: str, progress: bool = False, mask=None, **options: Any) -> list:
         """PIL images of ``image`` (a path, the file's bytes, or a PIL image; a list of them for an Edit-Plus preset)
-        edited as ``prompt`` says, from an app serving an edit preset; ``options`` and ``progress`` as for
-        ``generate``."""
+        edited as ``prompt`` says, from an app serving an edit preset; with ``mask`` (OpenAI's: a PNG of the image's
+        size, fully transparent where to change), only there, on an edit or text-to-image preset. ``options`` and
+        ``progress`` as for ``generate``."""
         images = image if isinstance(image, list) else [image]
-        return self._images(prompt, [_file_bytes(item) for item in images], progress, options)
+        uploads = ([_file_bytes(item) for item in images], _file_bytes(mask) if mask is not None else None)
+        return self._images(prompt, uploads, progress, options)
 
-    def _images(self, prompt: str, image: list[bytes] | None, progress: bool, options: dict) -> list:
+    def _images(self, prompt: str, image: Uploads | None, progress: bool, options: dict) -> list:
         body = {"prompt": prompt, **{k: v for k, v in options.items() if v is not None}}
         if not progress:
             return [_image(item["b64_json"]) for item in self._send(body, image)["data"]]
@@ -153,19 +162,19 @@ def _file_bytes(image) -> bytes:
     return buffer.getvalue()
 
 
-def _multipart(fields: dict, images: list[bytes]) -> tuple[bytes, str]:
-    """``fields`` and the ``images`` files as a multipart/form-data body, as OpenAI's images API takes edits (one
-    file as ``image``, several as ``image[]``, as OpenAI's client sends them)."""
+def _multipart(fields: dict, images: list[bytes], mask: bytes | None = None) -> tuple[bytes, str]:
+    """``fields``, the ``images`` files and the ``mask`` file as a multipart/form-data body, as OpenAI's images API
+    takes edits (one file as ``image``, several as ``image[]``, as OpenAI's client sends them)."""
     boundary = uuid.uuid4().hex
     parts = []
     for name, value in fields.items():
         text = json.dumps(value) if isinstance(value, (bool, dict)) else str(value)  # cache: a JSON object
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{text}\r\n'.encode())
     name = "image" if len(images) == 1 else "image[]"
-    for image in images:
+    for field, data in [(name, image) for image in images] + ([("mask", mask)] if mask is not None else []):
         parts.append(
-            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="image"\r\n'
-            f"Content-Type: application/octet-stream\r\n\r\n".encode() + image + b"\r\n"
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{field}"\r\n'
+            f"Content-Type: application/octet-stream\r\n\r\n".encode() + data + b"\r\n"
         )
     parts.append(f"--{boundary}--\r\n".encode())
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"

@@ -13,9 +13,9 @@ import numpy as np
 
 from omni_ray.api.planning import check_sides
 from omni_ray.api.schema import OutputFormat
-from omni_ray.config import PipelineConfig
+from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.errors import PayloadTooLargeError, RequestError
-from omni_ray.qwen_image import EDIT_SIDE_MULTIPLE
+from omni_ray.qwen_image import EDIT_SIDE_MULTIPLE, VAE_COMPRESSION
 from omni_ray.records import InputImages
 
 INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # what /v1/images/edits takes, as OpenAI's does (MPO: camera JPEGs)
@@ -40,7 +40,7 @@ def load_input_images(files: Sequence[bytes], config: PipelineConfig) -> InputIm
     vae, encoder = [], []
     for number, data in enumerate(files, 1):
         which = f"image {number} of {len(files)}: " if len(files) > 1 else ""
-        image = open_input_image(data, config, which)
+        image = open_input_image(data, edit.max_image_bytes, which)
         vae.append(_resized(image, config, edit.image_area, f"{which}a {image.width}x{image.height} image's working "))
         if edit.plus:
             encoder.append(_resized(image, config, edit.condition_area, ""))
@@ -60,18 +60,85 @@ def load_input_image(data: bytes | None, config: PipelineConfig) -> np.ndarray:
     return load_input_images([data], config).vae[0]
 
 
-def open_input_image(data: bytes, config: PipelineConfig, which: str = ""):
+def load_masked_input(image: bytes, mask: bytes, config: PipelineConfig, size: tuple[int, int]) -> InputImages:
+    """A masked edit's image and OpenAI's ``mask`` (a PNG of the image's size whose fully transparent pixels mark
+    what to change): the image as diffusers' inpaint pipelines take it, at its working size for an edit preset
+    (``QwenImageEditInpaintPipeline``) or at the output ``size`` (height, width) for a text-to-image one
+    (``QwenImageInpaintPipeline``), and the mask on that size's latent grid.
+
+    Raises RequestError naming ``image`` as ``load_input_image`` does, or ``mask`` for a file that is not a PNG,
+    not the image's size, without an alpha channel, or with no transparent pixel.
+    """
+    edit = config.edit
+    max_bytes = edit.max_image_bytes if edit is not None else EditConfig().max_image_bytes
+    if not image:
+        raise RequestError("image: required: the image the mask applies to, as a PNG, JPEG or WebP file",
+                           param="image")
+    picture = open_input_image(image, max_bytes)
+    repaint = open_mask(mask, picture.size, max_bytes)
+    if edit is not None:
+        height, width = working_size(picture.width, picture.height, edit.image_area)
+        check_sides(width, height, config, "image", f"a {picture.width}x{picture.height} image's working ")
+        start = resize_image(picture, height, width)
+        return InputImages((start,), (start,), mask_grid(repaint, height, width))
+    height, width = size
+    return InputImages((resize_image(picture, height, width),), (), mask_grid(repaint, height, width),
+                       conditions=False)
+
+
+def open_mask(data: bytes, size: tuple[int, int], max_bytes: int):
+    """OpenAI's mask as diffusers' mask image: an 'L' PIL image, 255 where the mask is fully transparent (what to
+    change), 0 elsewhere. ``size`` is the image's (width, height)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise RequestError("mask: an empty file", param="mask")
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"mask: the file is {len(data)} bytes; the limit is {max_bytes}", param="mask")
+    try:
+        mask = Image.open(io.BytesIO(data))
+        mask.load()
+    except (UnidentifiedImageError, Image.DecompressionBombError):
+        raise RequestError("mask: not a readable PNG file", param="mask") from None
+    except Exception as err:
+        raise RequestError(f"mask: the file is corrupt or truncated ({err})", param="mask") from None
+    if mask.format != "PNG":
+        raise RequestError(f"mask: {mask.format} files are not supported; send a PNG with an alpha channel",
+                           param="mask")
+    if mask.size != size:
+        raise RequestError(f"mask: {mask.width}x{mask.height}, but the image is {size[0]}x{size[1]}; they must be "
+                           "the same size", param="mask")
+    if "A" not in mask.getbands() and "transparency" not in mask.info:
+        raise RequestError("mask: no alpha channel; its fully transparent pixels mark what to change",
+                           param="mask")
+    alpha = np.asarray(mask.convert("RGBA").getchannel("A"))
+    if alpha.min() > 0:
+        raise RequestError("mask: fully opaque, so nothing would change; make what to change fully transparent",
+                           param="mask")
+    return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), mode="L")
+
+
+def mask_grid(repaint, height: int, width: int) -> np.ndarray:
+    """diffusers' mask processing: resized to (``height``, ``width``) as its ``VaeImageProcessor`` resizes (Lanczos),
+    binarised at one half, and taken to the VAE's latent grid as ``interpolate`` (nearest) does: uint8 ``[H/8, W/8]``,
+    1 repaints."""
+    from PIL import Image
+
+    resized = np.asarray(repaint.resize((width, height), resample=Image.LANCZOS))
+    binary = (resized.astype(np.float32) / 255 >= 0.5).astype(np.uint8)
+    return np.ascontiguousarray(binary[::VAE_COMPRESSION, ::VAE_COMPRESSION])
+
+
+def open_input_image(data: bytes, max_bytes: int, which: str = ""):
     """An uploaded file as an RGB PIL image, its EXIF orientation applied; every refusal names ``image`` and starts
     with ``which`` (which of several files it is)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    edit = config.edit
     if not data:
         raise RequestError(f"image: {which}an empty file", param="image")
-    if len(data) > edit.max_image_bytes:
-        raise PayloadTooLargeError(
-            f"image: {which}the file is {len(data)} bytes; the limit is {edit.max_image_bytes}", param="image"
-        )
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"image: {which}the file is {len(data)} bytes; the limit is {max_bytes}",
+                                   param="image")
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:

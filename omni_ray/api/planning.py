@@ -14,8 +14,15 @@ from typing import TYPE_CHECKING
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig
 from omni_ray.errors import NotFoundError, RequestError
-from omni_ray.qwen_image import check_side, dit_work_tokens, template_for, uses_true_cfg
-from omni_ray.records import InputImages, LoraRef, TokenCount
+from omni_ray.qwen_image import (
+    INPAINT_STRENGTH,
+    check_side,
+    dit_work_tokens,
+    inpaint_start,
+    template_for,
+    uses_true_cfg,
+)
+from omni_ray.records import Inpaint, InputImages, LoraRef, TokenCount
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,6 +44,7 @@ class GenerationPlan:
     scheduler: tuple[tuple[str, object], ...] = ()  # the adapter's recipe's scheduler settings, over the checkpoint's
     quality: str = "high"  # OpenAI's quality level the steps are nearest to: what responses name as used
     inputs: InputImages | None = None  # edits: the input images, for the VAE and for the encoder
+    inpaint: Inpaint | None = None  # a masked edit: the mask (inputs.mask) and the strength
     input_tokens: TokenCount = TokenCount(0)  # what the encoder reads: the prompt, and the negative with true CFG
     timeout_s: float = 600.0  # the request's deadline: its own `timeout`, or the preset's requests.timeout_s
     tenant: str = ""  # who the DiT shares steps fairly between: the caller's API key's name, or `user`
@@ -57,8 +65,14 @@ class GenerationPlan:
         passes = 2 if self.true_cfg else 1
         drop = template_for(self.inputs is not None).drop  # Edit and Edit-Plus drop as many
         text = max(1, self.input_tokens.total // passes - drop)
-        image_sizes = self.inputs.sizes if self.inputs is not None else ()
+        image_sizes = self.inputs.condition_sizes if self.inputs is not None else ()
         return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_sizes)
+
+    @property
+    def steps_run(self) -> int:
+        """Denoising steps each image runs (a masked edit's strength runs fewer)."""
+        skipped = inpaint_start(self.num_inference_steps, self.inpaint.strength) if self.inpaint is not None else 0
+        return self.num_inference_steps - skipped
 
     @property
     def event_prefix(self) -> str:
@@ -84,8 +98,9 @@ def plan_request(
     gets the recipe's steps, true CFG scale and scheduler settings for the fields it does not set. ``has_image``
     says the request brought an image when ``image`` was not decoded (the preset does not edit).
     """
-    check_route(config, has_image=image is not None if has_image is None else has_image)
     inputs = InputImages.of(image) if image is not None else None
+    check_route(config, has_image=image is not None if has_image is None else has_image,
+                has_mask=inputs is not None and inputs.mask is not None)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
     adapters = adapters or {}
     lora = resolve_model(request, config, adapters)
@@ -94,7 +109,9 @@ def plan_request(
     true_cfg_scale = request.true_cfg_scale
     if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in given:
         true_cfg_scale = recipe.true_cfg_scale
-    height, width = resolve_size(request, config, inputs.sizes[-1] if inputs is not None else None)
+    height, width = resolve_size(request, config, inputs.sizes[-1] if inputs is not None and inputs.conditions
+                                 else None)
+    inpaint = check_mask(request, inputs, height, width)
     input_tokens = TokenCount(0)
     true_cfg = uses_true_cfg(true_cfg_scale, request.negative_prompt is not None)
     if count_tokens is not None:
@@ -139,6 +156,7 @@ def plan_request(
         quality=request.quality if request.quality != "auto" and request.num_inference_steps is None
         else quality_level(steps, config),
         inputs=inputs,
+        inpaint=inpaint,
         input_tokens=input_tokens,
         timeout_s=request.timeout or config.requests.timeout_s,
         tenant=request.user or "",
@@ -175,11 +193,31 @@ def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapt
     return LoraRef(request.model, adapters[request.model].path, request.lora_scale)
 
 
-def check_route(config: PipelineConfig, has_image: bool) -> None:
-    """Raises RequestError (param ``image``) when a request's modality is not the preset's: an edit preset serves
-    /v1/images/edits (an image and a prompt), any other /v1/images/generations (a prompt)."""
-    if has_image and config.edit is None:
-        raise RequestError(f"image: {config.name!r} does not edit images; use /v1/images/generations", param="image")
+def check_mask(request: ImageGenerationRequest, inputs: InputImages | None, height: int, width: int
+               ) -> Inpaint | None:
+    """A masked edit's ``Inpaint`` (None without a mask); RequestError naming ``strength`` given without a mask, or
+    ``size`` when an edit's mask asks for another size than its image's working size."""
+    if inputs is None or inputs.mask is None:
+        if request.strength is not None:
+            raise RequestError("strength: only with a `mask` (a masked edit)", param="strength")
+        return None
+    start = inputs.vae[0].shape[:2]
+    if (height, width) != start:
+        raise RequestError(f"size: a masked edit's output is its image's working size, {start[1]}x{start[0]}",
+                           param="size")
+    return Inpaint(inputs.mask, INPAINT_STRENGTH if request.strength is None else request.strength)
+
+
+def check_route(config: PipelineConfig, has_image: bool, has_mask: bool = False) -> None:
+    """Raises RequestError (param ``image``, or ``mask``) when a request's modality is not the preset's: an edit
+    preset serves /v1/images/edits (images and a prompt, a mask but on Edit-Plus), any other
+    /v1/images/generations (a prompt) and, with a mask, /v1/images/edits (diffusers' text-to-image inpainting)."""
+    if has_mask and config.edit is not None and config.edit.plus:
+        raise RequestError(f"mask: {config.name!r} edits several images, which diffusers defines no masked edit "
+                           "for; masks work on Qwen-Image and Qwen-Image-Edit presets", param="mask")
+    if has_image and config.edit is None and not has_mask:
+        raise RequestError(f"image: {config.name!r} does not edit images; use /v1/images/generations, or send a "
+                           "`mask` with the image to repaint part of it", param="image")
     if not has_image and config.edit is not None:
         raise RequestError(
             f"image: {config.name!r} edits images; send an `image` and a `prompt` to /v1/images/edits", param="image"

@@ -78,6 +78,11 @@ class ImageGenerationRequest(BaseModel):
         "Retry-After)."
     )
     safety_identifier: str | None = Field(None, description="OpenAI's successor to `user`; accepted and ignored.")
+    strength: Number | None = Field(
+        None, gt=0.0, le=1.0, description="Only with a `mask` (edits): diffusers' inpainting strength, the share of "
+        "the denoising steps run, from the image noised to that level (1: from pure noise where the mask is "
+        "transparent); diffusers' 0.6 when omitted."
+    )
 
     @field_validator("cache", mode="before")
     @classmethod

@@ -76,7 +76,8 @@ class VaeRunner:
     def _run(self, requests: list[VAERequest]) -> dict[str, Decoded | Latents]:
         """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE."""
         if isinstance(requests[0], ImageEncodeRequest):
-            return dict(zip((r.request_id for r in requests), self.encode([r.image for r in requests])))
+            encoded = self.encode([r.image for r in requests], [r.seed for r in requests])
+            return dict(zip((r.request_id for r in requests), encoded))
         to_decode = [request for request in requests if request.output != "latents"]
         pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
         by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
@@ -108,19 +109,35 @@ class VaeRunner:
         image = self.image_processor.denormalize(image).permute(0, 2, 3, 1).float()
         return (image * 255).round().to(torch.uint8)
 
-    def encode(self, images: list[np.ndarray]) -> list[Latents]:
-        """Encodes same-size uint8 images ``[H, W, 3]`` in one VAE call; returns each one's packed latents."""
+    def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None) -> list[Latents]:
+        """Encodes same-size uint8 images ``[H, W, 3]`` in one VAE call; returns each one's packed latents: the
+        latent distribution's mode, or where ``seeds`` gives one, a sample drawn with it."""
         height, width = images[0].shape[:2]
-        return [Latents(to_host(row), height, width) for row in self._encode(images)]
+        return [Latents(to_host(row), height, width) for row in self._encode(images, seeds or [None] * len(images))]
 
     @torch.inference_mode()
-    def _encode(self, images: list[np.ndarray]) -> torch.Tensor:
-        """The images' packed latents ``[B, tokens, 64]``, on the device."""
+    def _encode(self, images: list[np.ndarray], seeds: list[int | None]) -> torch.Tensor:
+        """The images' packed latents ``[B, tokens, 64]``, on the device. A mode is normalised as diffusers' edit
+        pipelines normalise it; a sample is drawn on the CPU from ``torch.Generator().manual_seed(seed)`` in the
+        distribution's shape and normalised as diffusers' inpaint pipelines do (``_encode_vae_image`` with a
+        generator)."""
         from PIL import Image
 
         height, width = images[0].shape[:2]
         assert all(image.shape[:2] == (height, width) for image in images), "mixed sizes in one encode"
         pixels = torch.cat([self.image_processor.preprocess(Image.fromarray(image), height, width) for image in images])
-        latents = self.encoder(pixels.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last))
-        normalised = (latents - self.latents_mean.to(self.dtype)) / self.latents_std.to(self.dtype)
+        moments = self.encoder(pixels.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last))
+        mean, logvar = moments.chunk(2, dim=1)
+        latents_mean, latents_std = self.latents_mean.to(self.dtype), self.latents_std.to(self.dtype)
+        rows = []
+        for row, seed in enumerate(seeds):
+            if seed is None:
+                rows.append((mean[row] - latents_mean[0]) / latents_std[0])
+                continue
+            std = torch.exp(0.5 * torch.clamp(logvar[row], -30.0, 20.0))
+            generator = torch.Generator("cpu").manual_seed(seed)
+            eps = torch.randn((1, *mean.shape[1:2], 1, *mean.shape[2:]), generator=generator, dtype=mean.dtype)
+            sample = mean[row] + std * eps[0, :, 0].to(self.device)
+            rows.append((sample - latents_mean[0]) * (1.0 / latents_std[0]))
+        normalised = torch.stack(rows)
         return pack_latents(normalised.contiguous().unsqueeze(1))  # [B, frames=1, z_dim, h, w] -> [B, tokens, 64]

@@ -42,6 +42,19 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class InpaintState:
+    """A masked edit's fixed tensors, packed like the latents ``[1, image_seq_len, in_channels]``."""
+
+    start: torch.Tensor  # the start image's latents (sampled)
+    noise: torch.Tensor  # the request's noise: noised to each level, the start image is what the mask keeps
+    mask: torch.Tensor  # 1 where the step's latents stay, 0 where the start image's come back
+
+    def blend(self, latents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """diffusers' ``(1 - mask) * init_latents_proper + mask * latents``."""
+        return (1 - self.mask) * kept + self.mask * latents
+
+
+@dataclass(slots=True)
 class DenoiseState:
     """One request's denoising progress; the runner advances it, the engine owns it."""
 
@@ -56,7 +69,8 @@ class DenoiseState:
     caches: list[BranchCache] | None = None  # with cache acceleration: the conditional pass's, the unconditional's
     preview: torch.Tensor | None = None  # [1, image_seq_len, in_channels] the last step's predicted clean latents,
     # when params.previews asked for them, until the runner hands them out
-    step_index: int = 0
+    step_index: int = 0  # into the whole schedule: a masked edit starts at params.first_step
+    inpaint: InpaintState | None = None  # a masked edit's start image, noise and mask
 
     @property
     def num_steps(self) -> int:
@@ -65,6 +79,12 @@ class DenoiseState:
     @property
     def is_finished(self) -> bool:
         return self.step_index >= self.num_steps
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(steps done, steps run): what the request sees, a masked edit's skipped steps left out."""
+        first = self.params.first_step
+        return self.step_index - first, self.num_steps - first
 
     @property
     def batch_key(self) -> tuple:
@@ -163,7 +183,7 @@ class DenoiseRunner:
         for request in batch.new_requests:
             try:
                 self.states[request.request_id] = self.prepare(
-                    request.params, request.prompt, request.negative, request.images
+                    request.params, request.prompt, request.negative, request.images, request.start
                 )
             except Exception as err:  # a bad request fails alone
                 output.errors[request.request_id] = request_failure(err)
@@ -172,7 +192,7 @@ class DenoiseRunner:
         for request_id, state in states.items():
             if request_id in output.errors:
                 continue
-            output.progress[request_id] = (state.step_index, state.num_steps)
+            output.progress[request_id] = state.progress
             if state.preview is not None:
                 output.previews[request_id] = Latents(to_host(state.preview[0]), state.params.height,
                                                       state.params.width)
@@ -206,8 +226,10 @@ class DenoiseRunner:
         prompt: PromptEmbeds,
         negative: PromptEmbeds | None = None,
         images: tuple[Latents, ...] = (),
+        start: Latents | None = None,
     ) -> DenoiseState:
-        """Draws the request's noise and schedule; an edit's image latents come along, in order."""
+        """Draws the request's noise and schedule; an edit's image latents come along, in order. A masked edit
+        (``params.inpaint``) starts from ``start``, its start image's latents noised to its first step's level."""
         check_side("height", params.height)
         check_side("width", params.width)
         if params.lora is not None and params.lora.key not in self.loras.slot_of:
@@ -215,6 +237,8 @@ class DenoiseRunner:
         rows, cols = latent_grid(params.height, params.width)
         # Drawn on the CPU in diffusers' unpacked shape, so the same seed gives the same image on any device.
         generator = torch.Generator("cpu").manual_seed(params.seed)
+        if params.inpaint is not None:  # the VAE drew the start image's sample from this seed's generator first
+            torch.randn((1, self.num_channels_latents, 1, rows, cols), generator=generator, dtype=self.dtype)
         noise = torch.randn((1, 1, self.num_channels_latents, rows, cols), generator=generator, dtype=self.dtype)
         latents = pack_latents(noise).to(self.device)
 
@@ -226,7 +250,12 @@ class DenoiseRunner:
             device=self.device,
             mu=calculate_shift(latents.shape[1], scheduler.config),
         )
-        scheduler.set_begin_index(0)
+        first = params.first_step
+        scheduler.set_begin_index(first)
+        inpaint = None
+        if params.inpaint is not None:
+            inpaint = self._inpaint_state(params, start, latents, rows, cols)
+            latents = scheduler.scale_noise(inpaint.start, scheduler.timesteps[first : first + 1], latents)
         do_true_cfg = params.true_cfg
         img_shapes = [(1, rows // 2, cols // 2)]
         img_shapes += [(1, image.height // SIZE_MULTIPLE, image.width // SIZE_MULTIPLE) for image in images]
@@ -241,7 +270,22 @@ class DenoiseRunner:
             image=image.unsqueeze(0) if image is not None else None,
             image_sizes=tuple((image.height, image.width) for image in images),
             caches=[BranchCache(params.cache)] * (2 if do_true_cfg else 1) if params.cache is not None else None,
+            step_index=first,
+            inpaint=inpaint,
         )
+
+    def _inpaint_state(self, params: DenoiseParams, start: Latents, noise: torch.Tensor, rows: int, cols: int
+                       ) -> InpaintState:
+        """A masked edit's start latents, noise and mask packed as diffusers packs them (the mask repeated over the
+        latent channels)."""
+        if (start.height, start.width) != (params.height, params.width):
+            raise ValueError(f"a masked edit's start image is {start.width}x{start.height}, its output "
+                             f"{params.width}x{params.height}")
+        grid = torch.from_numpy(params.inpaint.mask).to(self.dtype)
+        if grid.shape != (rows, cols):
+            raise ValueError(f"the mask is {grid.shape[1]}x{grid.shape[0]} on the latent grid, not {cols}x{rows}")
+        mask = pack_latents(grid.expand(1, 1, self.num_channels_latents, rows, cols)).to(self.device)
+        return InpaintState(start.latents.to(self.device, self.dtype).unsqueeze(0), noise, mask)
 
     @torch.inference_mode()
     def step(self, states: list[DenoiseState]) -> None:
@@ -258,6 +302,8 @@ class DenoiseRunner:
                 state.preview = predicted_clean(state, pred)
             t = state.scheduler.timesteps[state.step_index]
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
+            if state.inpaint is not None:
+                state.latents = keep_unmasked(state)
             if state.caches:  # kept with the step, so a step retried alone decides from the same caches
                 state.caches = caches[row :: len(states)]
             state.step_index += 1
@@ -311,7 +357,7 @@ class DenoiseRunner:
         if state.caches:
             passes = {"computed": sum(c.computed for c in state.caches), "reused": sum(c.reused for c in state.caches)}
         else:
-            passes = {"computed": state.num_steps * (2 if state.params.true_cfg else 1), "reused": 0}
+            passes = {"computed": state.progress[1] * (2 if state.params.true_cfg else 1), "reused": 0}
         return Latents(
             to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )
@@ -331,9 +377,22 @@ def compile_blocks(transformer: QwenImageTransformer2DModel) -> None:
 
 def predicted_clean(state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
     """The clean latents the step predicts: flow matching's ``x_t = (1 - sigma) x_0 + sigma * noise`` with velocity
-    ``noise - x_0``, so ``x_0 = x_t - sigma * v`` (in float32, as the scheduler computes its update)."""
+    ``noise - x_0``, so ``x_0 = x_t - sigma * v`` (in float32, as the scheduler computes its update); a masked
+    edit's keeps its start image where the mask says."""
     sigma = state.scheduler.sigmas[state.step_index]
-    return (state.latents.float() - sigma * pred.float()).to(state.latents.dtype)
+    clean = (state.latents.float() - sigma * pred.float()).to(state.latents.dtype)
+    return state.inpaint.blend(clean, state.inpaint.start) if state.inpaint is not None else clean
+
+
+def keep_unmasked(state: DenoiseState) -> torch.Tensor:
+    """After a masked edit's step (the scheduler's index already on the next): the start image noised to the next
+    step's level where the mask is 0 (the clean start image after the last step), as diffusers' inpaint loop."""
+    inpaint, scheduler = state.inpaint, state.scheduler
+    kept = inpaint.start
+    if state.step_index + 1 < state.num_steps:
+        next_t = scheduler.timesteps[state.step_index + 1 : state.step_index + 2]
+        kept = scheduler.scale_noise(inpaint.start, next_t, inpaint.noise)
+    return inpaint.blend(state.latents, kept)
 
 
 def one_step_overrides(num_inference_steps: int) -> dict:

@@ -125,8 +125,8 @@ class SimulatedDenoiser:
         )
         for request_id, state in stepped.items():
             state.step_index += 1
-            output.progress[request_id] = (state.step_index, state.params.num_inference_steps)
-            if state.step_index >= state.params.num_inference_steps:
+            output.progress[request_id] = (state.step_index, state.params.steps_run)
+            if state.step_index >= state.params.steps_run:
                 output.finished[request_id] = self._latents(self.states.pop(request_id))
         _wait_until(started + seconds)
         return output

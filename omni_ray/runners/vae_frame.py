@@ -136,7 +136,8 @@ class FrameDecoder(nn.Module):
 
 
 class FrameEncoder(nn.Module):
-    """Pixels in [-1, 1] ``[B, 3, H, W]`` -> the latent distribution's mode ``[B, z_dim, H/8, W/8]``."""
+    """Pixels in [-1, 1] ``[B, 3, H, W]`` -> the latent distribution's moments ``[B, 2 * z_dim, H/8, W/8]``: its
+    mean (its mode), then its log-variance."""
 
     def __init__(self, vae: AutoencoderKLQwenImage):
         super().__init__()
@@ -149,4 +150,4 @@ class FrameEncoder(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         moments = self.quant_conv(self.conv_out(F.silu(self.norm_out(self.layers(pixels)))))
-        return moments[:, : self.z_dim]  # the mean: a diagonal Gaussian's mode
+        return moments

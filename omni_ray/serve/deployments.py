@@ -202,24 +202,28 @@ class DiT(_EngineShim):
         return await asyncio.to_thread(self.files.check, path, self.loras.shapes)
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: Upstream, *images: Upstream
+        self, request_id: str, params: DenoiseParams, prompt: Upstream, *images: Upstream, start: Upstream | None = None
     ) -> AsyncIterator[StepDone | Latents]:
         """Denoises one image: ``StepDone`` after every step, each followed by what it announces (a preview's
         latents, or the image's): ``request_path.read_step_stream`` reads it. An edit brings its input images'
-        latents (the VAE's ``encode``). The caller reads the stream by reference; closing it aborts the request."""
+        latents (the VAE's ``encode``), a masked edit its ``start`` latents. The caller reads the stream by
+        reference; closing it aborts the request."""
         encoded: EncodedPrompt = await prompt.resolve()
         image_latents: list[Latents] = [await image.resolve() for image in images]
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, tuple(image_latents))
+        start_latents: Latents | None = await start.resolve() if start is not None else None
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, tuple(image_latents),
+                                 start_latents)
         timings = dict(encoded.timings)
-        for latents in image_latents:  # encoded side by side: the longest is the time they took
+        encodes = image_latents + ([start_latents] if start_latents is not None else [])
+        for latents in encodes:  # encoded side by side: the longest is the time they took
             for stage, seconds in latents.timings.items():
                 timings[stage] = max(seconds, timings.get(stage, 0.0))
         if params.lora is not None:
             await self._route(params.lora.name)
-        self.load.add(request_id, params.priority, request.work_tokens, params.num_inference_steps)
+        self.load.add(request_id, params.priority, request.work_tokens, params.steps_run)
         try:
             async with self.loras.use(params.lora):
-                items = self._stream(request, f"denoised ({params.num_inference_steps} steps)", timings)
+                items = self._stream(request, f"denoised ({params.steps_run} steps)", timings)
                 async for item in write_step_stream(self._count_passes(items)):
                     if isinstance(item, StepDone):
                         self.load.progress(request_id, item.step, item.total)
@@ -281,6 +285,7 @@ class VAE(_EngineShim):
         resolved: Latents = await latents.resolve()
         return await self._run(DecodeRequest(request_id, resolved, output, preview), "decoded", resolved.timings)
 
-    async def encode(self, request_id: str, image: np.ndarray) -> Latents:
-        """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with."""
-        return await self._run(ImageEncodeRequest(request_id, image), "encoded image", {}, timing="vae_encode")
+    async def encode(self, request_id: str, image: np.ndarray, seed: int | None = None) -> Latents:
+        """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with (a
+        masked edit's start image: a sample drawn with ``seed``)."""
+        return await self._run(ImageEncodeRequest(request_id, image, seed), "encoded image", {}, timing="vae_encode")

@@ -58,9 +58,11 @@ async def json_object(request: Request, fields: tuple[str, ...]) -> dict:
     return body
 
 
-async def edit_form(request: Request, limit: int, max_images: int) -> tuple[dict[str, str], list[bytes]]:
-    """An edit's multipart form: its text fields, and the bytes of its ``image`` files in order (``image``, or
-    ``image[]`` as OpenAI's client sends a list); more than ``max_images`` is refused before any is decoded."""
+async def edit_form(request: Request, limit: int, max_images: int
+                    ) -> tuple[dict[str, str], list[bytes], bytes | None]:
+    """An edit's multipart form: its text fields, the bytes of its ``image`` files in order (``image``, or
+    ``image[]`` as OpenAI's client sends a list; more than ``max_images`` is refused before any is decoded), and
+    its ``mask`` file's (None without one)."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise RequestError("request body must be multipart/form-data with an `image` file and a `prompt`", param=None)
@@ -76,16 +78,18 @@ async def edit_form(request: Request, limit: int, max_images: int) -> tuple[dict
         if "Too many files" in str(detail):
             raise RequestError(f"image: at most {max_images} input images per request", param="image") from None
         raise RequestError(f"malformed multipart body: {detail}", param=None) from None
-    fields, images = {}, []
+    fields, images, mask = {}, [], None
     try:
         for name, value in form.multi_items():
             if name in IMAGE_FIELDS and isinstance(value, UploadFile):
                 images.append(await value.read())
-            elif name == "mask":
-                raise RequestError("mask: masks are not supported; the prompt says what to change", param="mask")
-            elif name in IMAGE_FIELDS or isinstance(value, UploadFile):
-                param = "image" if name in IMAGE_FIELDS else name
-                raise RequestError(f"{param}: expected {'a file' if param == 'image' else 'a text field'}",
+            elif name == "mask" and isinstance(value, UploadFile):
+                if mask is not None:
+                    raise RequestError("mask: one mask per request", param="mask")
+                mask = await value.read()
+            elif name in (*IMAGE_FIELDS, "mask") or isinstance(value, UploadFile):
+                param = name if name == "mask" else "image" if name in IMAGE_FIELDS else name
+                raise RequestError(f"{param}: expected {'a file' if param in ('image', 'mask') else 'a text field'}",
                                    param=param)
             elif name in fields:
                 raise RequestError(f"{name}: given more than once", param=name)
@@ -96,7 +100,7 @@ async def edit_form(request: Request, limit: int, max_images: int) -> tuple[dict
     if len(images) > max_images:
         more = "one input image" if max_images == 1 else f"at most {max_images} input images"
         raise RequestError(f"image: {more} per request, got {len(images)}", param="image")
-    return fields, images
+    return fields, images, mask
 
 
 async def json_body(request: Request) -> object:

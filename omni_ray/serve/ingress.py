@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from omni_ray.api.images import load_input_images, write_image_file
-from omni_ray.api.planning import GenerationPlan, check_route, plan_request
+from omni_ray.api.images import load_input_images, load_masked_input, write_image_file
+from omni_ray.api.planning import GenerationPlan, check_route, plan_request, resolve_size
 from omni_ray.api.responses import (
     completed_event,
     error_body,
@@ -38,7 +38,7 @@ from omni_ray.api.responses import (
     progress_event,
 )
 from omni_ray.api.schema import ImageGenerationRequest, parse_request
-from omni_ray.config import LoraEntry, PipelineConfig
+from omni_ray.config import EditConfig, LoraEntry, PipelineConfig
 from omni_ray.errors import ForbiddenError, NotFoundError, OmniRayError, OverloadedError, RequestError
 from omni_ray.records import Decoded, OutputMode, TokenCount
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
@@ -106,12 +106,13 @@ class Coordinator:
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
             tenant = self.authorize(request)
-            check_route(self.config, has_image=True)  # before reading an upload the preset cannot use
-            edit = self.config.edit
-            fields, images = await http.edit_form(request, http.MAX_BODY_BYTES + edit.max_images *
-                                                  edit.max_image_bytes, edit.max_images)
+            if self.config.edit is None and not request.headers.get("content-type", "").startswith("multipart/"):
+                check_route(self.config, has_image=True)  # no upload at all: told which route is right
+            edit = self.config.edit or EditConfig()  # a text-to-image preset takes one image and a mask to inpaint
+            limit = http.MAX_BODY_BYTES + (edit.max_images + 1) * edit.max_image_bytes  # the images and a mask
+            fields, images, mask = await http.edit_form(request, limit, edit.max_images)
             body = parse_request(fields, form=True)
-        return await self.respond(await self.plan(body, images, tenant), request)  # []: "image: required"
+        return await self.respond(await self.plan(body, images, tenant, mask), request)  # []: "image: required"
 
     async def page(self) -> HTMLResponse:
         """The try-it page: a form over the images API with live previews (serve/web)."""
@@ -184,18 +185,18 @@ class Coordinator:
 
     async def generate(
         self, body: dict | ImageGenerationRequest, request_id: str | None = None,
-        image: bytes | Sequence[bytes] | None = None,
+        image: bytes | Sequence[bytes] | None = None, mask: bytes | None = None,
     ) -> dict:
         """The images response for an OpenAI-style body (and for an edit the input image file, or a list of
-        them), as HTTP gets it."""
-        return await self.json_response(await self.plan(body, image), request_id or uuid.uuid4().hex)
+        them, and a mask), as HTTP gets it."""
+        return await self.json_response(await self.plan(body, image, mask=mask), request_id or uuid.uuid4().hex)
 
     async def generate_stream(
         self, body: dict | ImageGenerationRequest, request_id: str | None = None,
-        image: bytes | Sequence[bytes] | None = None,
+        image: bytes | Sequence[bytes] | None = None, mask: bytes | None = None,
     ) -> AsyncIterator[dict]:
         """The streamed events, as server-sent events carry them (``handle.options(stream=True)``)."""
-        async for event in self.sse_events(await self.plan(body, image), request_id or uuid.uuid4().hex):
+        async for event in self.sse_events(await self.plan(body, image, mask=mask), request_id or uuid.uuid4().hex):
             yield event
 
     async def images(
@@ -204,9 +205,11 @@ class Coordinator:
         request_id: str | None = None,
         output: OutputMode = "pixels",
         image: bytes | Sequence[bytes] | None = None,
+        mask: bytes | None = None,
     ) -> list[Decoded]:
         """The stage results for each of the ``n`` images: pixels, latents or both, per ``output``."""
-        return await collect(self.events(await self.plan(body, image), request_id or uuid.uuid4().hex, output))
+        plan = await self.plan(body, image, mask=mask)
+        return await collect(self.events(plan, request_id or uuid.uuid4().hex, output))
 
     # --- the one path and its views -----------------------------------------------------------------------------
 
@@ -221,15 +224,26 @@ class Coordinator:
         return Response(body, media_type="application/json", headers=headers)
 
     async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
-                   tenant: str | None = None) -> GenerationPlan:
+                   tenant: str | None = None, mask: bytes | None = None) -> GenerationPlan:
         """Validates before any stage sees the request, and admits it when the DiT's queue can finish it before its
-        deadline; an edit's images (one file, or a list) are decoded and resized off the event loop, a few requests
-        at a time. ``tenant`` (the caller's API key's name) replaces the body's ``user`` as whom the DiT shares its
-        steps between."""
+        deadline; an edit's images (one file, or a list) and mask are decoded and resized off the event loop, a few
+        requests at a time. ``tenant`` (the caller's API key's name) replaces the body's ``user`` as whom the DiT
+        shares its steps between."""
         with self._counting_errors():
             inputs = None
-            if image is not None and self.config.edit is not None:
-                files = [image] if isinstance(image, bytes) else list(image)
+            files = [image] if isinstance(image, bytes) else list(image) if image is not None else None
+            if files is not None:
+                check_route(self.config, has_image=True, has_mask=mask is not None)  # before decoding anything
+            if mask is not None:
+                request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
+                size = resolve_size(request, self.config)  # text-to-image inpainting's output size
+                if len(files or ()) > 1:
+                    raise RequestError("image: a masked edit takes one image", param="image")
+                async with self.image_slots:
+                    inputs = await asyncio.to_thread(load_masked_input, files[0] if files else b"", mask,
+                                                     self.config, size)
+                body = request
+            elif files is not None and self.config.edit is not None:
                 async with self.image_slots:
                     inputs = await asyncio.to_thread(load_input_images, files, self.config)
             plan = plan_request(body, self.config, self.count_tokens, inputs, await self._adapters_for(body),

@@ -86,7 +86,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         """The estimate of the DiT replica Serve's router would send the request to (the one with the least work,
         ``serve.routing``); None when no replica answers within ``timeout_s`` (none is running, say): the request
         is then admitted and waits as any other."""
-        response = self.dit_calls.estimate.remote(plan.request.priority, plan.work_tokens, plan.num_inference_steps,
+        response = self.dit_calls.estimate.remote(plan.request.priority, plan.work_tokens, plan.steps_run,
                                                   plan.request.n)
         try:
             return await asyncio.wait_for(_result(response), timeout_s)
@@ -108,8 +108,8 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
     def encode_prompt(self, request: EncodeRequest, images: tuple[ray.ObjectRef, ...]) -> DeploymentResponse:
         return self.encoder.encode.remote(request, *images)
 
-    def encode_image(self, request_id: str, image: ray.ObjectRef) -> DeploymentResponse:
-        return self.vae.encode.remote(request_id, image)
+    def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None) -> DeploymentResponse:
+        return self.vae.encode.remote(request_id, image, seed)
 
     async def denoise(
         self,
@@ -117,12 +117,14 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         params: DenoiseParams,
         prompt: DeploymentResponse,
         image_latents: tuple[DeploymentResponse, ...],
+        start: DeploymentResponse | None = None,
     ) -> AsyncIterator[DenoiseEvent]:
         inputs = [await _upstream(prompt, "encoder", StageCall.ENCODE_PROMPT)]
         for latents in image_latents:
             inputs.append(await _upstream(latents, "vae", StageCall.ENCODE_IMAGE))
+        masked = {"start": await _upstream(start, "vae", StageCall.ENCODE_IMAGE)} if start is not None else {}
         dit = self.dit.options(multiplexed_model_id=params.lora.name) if params.lora is not None else self.dit
-        stream = dit.denoise.remote(request_id, params, *inputs)
+        stream = dit.denoise.remote(request_id, params, *inputs, **masked)
         try:
             # Steps are fetched (they are small); previews and latents stay references, for the VAE to read.
             async for event in read_step_stream(await object_ref_stream(stream), _fetch):
