@@ -14,6 +14,7 @@ from omni_ray.api.planning import plan_request
 from omni_ray.config import load_config
 from omni_ray.errors import RequestError
 from omni_ray.pipeline import Pipeline
+from omni_ray.qwen_image import INPAINT_STRENGTH, inpaint_start
 from testing.reference import load_reference, openai_mask, reference_masked, source_image
 from testing.serving import file_bytes as png
 
@@ -55,48 +56,45 @@ def run_cases(pipeline, config, size):
     return source, repaint, asyncio.run(run())
 
 
+def assert_equal_to_diffusers(results, reference, source, repaint, shape, **options):
+    """Each case's n images against diffusers' pipeline at the image's seed, and the steps its strength runs."""
+    for (case, (negative, strength)), images in zip(CASES.items(), results):
+        strength = strength or INPAINT_STRENGTH
+        for index, result in enumerate(images):
+            expected = reference_masked(reference, source, diffusers_mask(repaint), seed=9 + index,
+                                        prompt="a red ball", negative_prompt=negative, true_cfg_scale=4.0,
+                                        num_inference_steps=5, strength=strength, **options)
+            assert result.pixels.shape == expected.shape == shape
+            assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1, (case, index)
+            steps = 5 - inpaint_start(5, strength)  # strength 0.3 runs 2 steps of 5, 0.6 runs 3, 1 all 5
+            assert result.dit_passes["computed"] == steps * (2 if negative else 1), case
+
+
 def test_text_to_image_inpainting_equals_diffusers_within_one_level(tiny_dir):
     from diffusers import QwenImageInpaintPipeline
 
     config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
-    reference = QwenImageInpaintPipeline.from_pretrained(tiny_dir)
     pipeline = Pipeline(config)
     try:
-        size = (64, 96)  # the output's height, width: diffusers stretches the image to it
-        source, repaint, results = run_cases(pipeline, config, size)
+        source, repaint, results = run_cases(pipeline, config, (64, 96))  # diffusers stretches the image to it
     finally:
         pipeline.shutdown()
-    for (case, (negative, strength)), images in zip(CASES.items(), results):
-        for index, result in enumerate(images):
-            expected = reference_masked(reference, source, diffusers_mask(repaint), seed=9 + index,
-                                        prompt="a red ball", negative_prompt=negative, true_cfg_scale=4.0,
-                                        num_inference_steps=5, strength=strength or 0.6, height=64, width=96)
-            assert result.pixels.shape == expected.shape == (64, 96, 3)
-            assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1, (case, index)
-    kept, changed = results[2][0].pixels, results[1][0].pixels
-    assert not np.array_equal(kept, changed)
+    reference = QwenImageInpaintPipeline.from_pretrained(tiny_dir)
+    assert_equal_to_diffusers(results, reference, source, repaint, (64, 96, 3), height=64, width=96)
 
 
 def test_masked_edits_equal_diffusers_edit_inpainting_within_one_level(edit_dir):
     from diffusers import QwenImageEditInpaintPipeline
 
     config = load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir))
-    reference = load_reference(edit_dir, pipeline=QwenImageEditInpaintPipeline)
     pipeline = Pipeline(config)
     try:
         source, repaint, results = run_cases(pipeline, config, None)
     finally:
         pipeline.shutdown()
-    for (case, (negative, strength)), images in zip(CASES.items(), results):
-        for index, result in enumerate(images):
-            expected = reference_masked(reference, source, diffusers_mask(repaint), seed=9 + index,
-                                        image_area=config.edit.image_area, prompt="a red ball",
-                                        negative_prompt=negative, true_cfg_scale=4.0, num_inference_steps=5,
-                                        strength=strength or 0.6)
-            assert result.pixels.shape == expected.shape == (96, 160, 3)  # the image's working size
-            assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1, (case, index)
-            passes = 2 * (5 - int(5 - 5 * (strength or 0.6))) if negative else 5 - int(5 - 5 * (strength or 0.6))
-            assert result.dit_passes["computed"] == passes, case  # strength runs that share of the steps
+    reference = load_reference(edit_dir, pipeline=QwenImageEditInpaintPipeline)
+    assert_equal_to_diffusers(results, reference, source, repaint, (96, 160, 3),  # the image's working size
+                              image_area=config.edit.image_area)
 
 
 def bad_mask(config, mask: bytes, image: bytes | None = None, size=(64, 96)):
