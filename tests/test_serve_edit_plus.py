@@ -91,3 +91,23 @@ def test_bad_uploads_are_a_400_naming_image_and_reach_no_stage(served, client):
     after = stage_stats(served)
     assert {name: stats["requests"] for name, stats in after.items()} == \
         {name: stats["requests"] for name, stats in before.items()}
+
+
+def test_the_page_uploads_several_images_in_order(served, tmp_path):
+    """In a headless Chromium: the Edit-Plus page takes several files and the result takes the last one's working
+    size (a tall second image: 96x192 on the tiny preset), as the API answers."""
+    from testing.browser import browser_page, result_size
+
+    paths = []
+    for i, image in enumerate(SOURCES[:2]):
+        paths.append(str(tmp_path / f"in{i}.png"))
+        image.save(paths[-1])
+    with browser_page() as page:
+        page.goto(served["base"] + "/")
+        assert page.get_attribute("#image", "multiple") is not None
+        assert "up to 3" in page.text_content('label[for="image"]')
+        page.set_input_files("#image", paths)
+        page.fill("#prompt", "put them together")
+        page.fill("#num_inference_steps", "2")
+        page.click("#generate")
+        assert result_size(page) == (96, 192)

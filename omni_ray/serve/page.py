@@ -13,13 +13,14 @@ WEB_FILES = {name: (kind, (WEB / name).read_bytes())
 
 
 def page_html(config: PipelineConfig, api_key: bool = False) -> str:
-    """index.html with what the page needs of the preset: its name, mode, default size and steps, sizes to offer,
-    and whether the server takes an API key (the page then asks for it)."""
+    """index.html with what the page needs of the preset: its name, mode, input images an edit takes, default size
+    and steps, sizes to offer, and whether the server takes an API key (the page then asks for it)."""
     limits = config.requests
     default = f"{limits.default_width}x{limits.default_height}"
     squares = [f"{side}x{side}" for side in (64, 128, 256, 512, 1024, 1328)
                if limits.min_side <= side <= limits.max_side]
     settings = {"model": config.name, "edit": config.edit is not None, "default_size": default,
+                "max_images": config.edit.max_images if config.edit is not None else 0,
                 "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares])),
                 "api_key": api_key}
     # "</" cannot end the script element early: JSON allows "<\/" for "</".

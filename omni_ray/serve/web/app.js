@@ -25,6 +25,10 @@ for (const size of settings.sizes) {
 }
 
 const imageInput = document.getElementById("image");
+if (settings.max_images > 1) {  // Edit-Plus: several images, in the order picked
+  imageInput.multiple = true;
+  document.querySelector('label[for="image"]').textContent = `Images to edit (up to ${settings.max_images})`;
+}
 imageInput.addEventListener("change", () => {
   const preview = document.getElementById("image-preview");
   const file = imageInput.files[0];
@@ -75,7 +79,8 @@ async function generate(body) {
   }
   if (settings.edit) {
     const data = new FormData();
-    if (imageInput.files[0]) data.append("image", imageInput.files[0]);
+    const field = imageInput.files.length > 1 ? "image[]" : "image";  // as OpenAI's client sends a list
+    for (const file of imageInput.files) data.append(field, file);
     for (const [name, value] of Object.entries(body)) data.append(name, String(value));
     response = await fetch("/v1/images/edits", { method: "POST", headers, body: data });
   } else {
