@@ -63,6 +63,8 @@ def inpaint_start(num_steps: int, strength: float) -> int:
 
 USER_TURN = "<|im_start|>user\n"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")  # the processor places
+# images by them: in a prompt they would stand for images that are not there
 
 
 @dataclass(frozen=True, slots=True)

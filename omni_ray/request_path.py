@@ -237,7 +237,7 @@ class _SharedInputs:
     def reissue(self, call: StageCall, lost: Handle | tuple[Handle, ...]) -> None:
         if call is StageCall.ENCODE_PROMPT and self.prompt is lost:
             self.prompt = self._encode_prompt()
-        elif call is StageCall.ENCODE_IMAGE and self.image_latents is lost:
+        elif call is StageCall.ENCODE_IMAGE and not self.masked and self.image_latents is lost:
             self.cancel_images()
             self.image_latents = self._encode_images()
 
@@ -257,12 +257,13 @@ async def _run_image(
     """Image ``index`` through the DiT and the VAE, issuing a lost call again (and what depends on it) up to
     ``max_retries`` times; emits its progress and its result, or ``Failed``."""
     image_id = f"{inputs.request_id}-{index}"
-    params = denoise_params(plan, index)
     latents: Handle | None = None
     retries = 0
-    previews = _Previews(stages, index, emit, len(params.previews))
-    start = inputs.encode_start(image_id, params.seed) if inputs.masked else None
+    previews = start = None
     try:
+        params = denoise_params(plan, index)
+        previews = _Previews(stages, index, emit, len(params.previews))
+        start = inputs.encode_start(image_id, params.seed) if inputs.masked else None
         while True:
             call_id = image_id if not retries else f"{image_id}-retry{retries}"
             prompt, image_latents = inputs.prompt, inputs.conditions(start)
@@ -289,7 +290,7 @@ async def _run_image(
                     latents = None
                 if lost.call is StageCall.ENCODE_IMAGE and start is not None:
                     stages.cancel(start)
-                    start = inputs.encode_start(image_id, params.seed)
+                    start = inputs.encode_start(f"{image_id}-retry{retries}", params.seed)
                 inputs.reissue(lost.call, prompt if lost.call is StageCall.ENCODE_PROMPT else image_latents)
                 await asyncio.sleep(0.2 * retries)  # let Serve notice the dead replica before the retry is routed
     except OmniRayError as err:
@@ -298,7 +299,8 @@ async def _run_image(
         logger.exception("request %s failed", image_id)
         emit(Failed(EngineError(f"{type(err).__name__}: {err}")))
     finally:
-        previews.cancel()
+        if previews is not None:
+            previews.cancel()
         if start is not None:
             stages.cancel(start)
 

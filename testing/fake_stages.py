@@ -26,7 +26,8 @@ class Call:
 
 class FakeStages(Stages[Call]):
     """Records every call. ``lose`` maps a call name to how many of its calls are lost with their replica (a lost
-    encode_prompt surfaces in the denoise that reads it, as across Ray); ``fail`` to an error every such call raises;
+    encode_prompt or encode_image surfaces in the denoise that reads it, as across Ray); ``fail`` to an error every
+    such call raises;
     ``hang`` names a call that never ends."""
 
     def __init__(self, lose=None, fail=None, hang=None):
@@ -58,7 +59,10 @@ class FakeStages(Stages[Call]):
         return call
 
     def encode_image(self, request_id, image, seed=None):
-        return self._call("encode_image", request_id, image, *([seed] if seed is not None else []))
+        call = self._call("encode_image", request_id, image, *([seed] if seed is not None else []))
+        if self._loses("encode_image"):
+            self.lost.add(id(call))
+        return call
 
     async def _run(self, call: Call):
         if call.name in self.fail:
@@ -74,6 +78,8 @@ class FakeStages(Stages[Call]):
         call = self._call("denoise", request_id, params, prompt, image_latents, start)
         if id(prompt) in self.lost:
             raise StageLostError("encoder", StageCall.ENCODE_PROMPT)
+        if any(id(handle) in self.lost for handle in (*image_latents, start)):
+            raise StageLostError("vae", StageCall.ENCODE_IMAGE)
         await self._run(call)
         for step in range(1, params.steps_run + 1):
             await asyncio.sleep(0)

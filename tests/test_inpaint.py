@@ -139,3 +139,19 @@ def test_every_bad_mask_is_refused_naming_mask(tiny_dir, edit_dir, edit_plus_dir
     with pytest.raises(RequestError, match="send a .mask. with the image") as info:
         plan_request({"prompt": "x"}, text_to_image, image=as_rgba.vae[0])
     assert info.value.param == "image"
+
+
+def test_a_strength_that_runs_no_step_is_a_400_and_never_reaches_a_stage(edit_dir):
+    """strength 1e-17 of 20 steps rounds to none: refused naming `strength`, as diffusers refuses it, rather than
+    failing in the DiT (or, streamed with previews, hanging until the deadline)."""
+    config = load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir))
+    inputs = load_masked_input(png(source_image(*SOURCE, 0)), openai_mask(disc(*SOURCE)), config, None)
+    with pytest.raises(RequestError, match="strength: 1e-17 of 20 steps runs none") as info:
+        plan_request({"prompt": "x", "strength": 1e-17, "num_inference_steps": 20, "stream": True,
+                      "partial_images": 2}, config, image=inputs)
+    assert info.value.param == "strength"
+    plan = plan_request({"prompt": "x", "strength": 0.01, "num_inference_steps": 20}, config, image=inputs)
+    assert plan.steps_run == 1
+    with pytest.raises(RequestError, match="prompt: must not contain Qwen2.5-VL's vision tokens") as info:
+        plan_request({"prompt": "a <|image_pad|> cat"}, config, image=inputs.vae[0])
+    assert info.value.param == "prompt"

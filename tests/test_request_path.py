@@ -11,7 +11,7 @@ from omni_ray.api.planning import GenerationPlan
 from omni_ray.api.schema import parse_request
 from omni_ray.config import RequestLimits
 from omni_ray.errors import DeadlineExceededError, EngineError, OverloadedError, StageCall, StageLostError
-from omni_ray.records import InputImages
+from omni_ray.records import Inpaint, InputImages
 from omni_ray.request_path import Failed, ImageDone, Progress, collect, run_request
 from testing.fake_stages import FakeStages
 
@@ -61,6 +61,25 @@ def test_an_edit_stores_its_image_once_and_both_encoders_read_that_handle():
     (image_latents,) = stages.calls_to("encode_image")
     assert put.args[0] is pixels and encode.args[1] == (put,) and image_latents.args == ("r-input0", put)
     assert all(call.args[3] == (image_latents,) for call in stages.calls_to("denoise"))
+
+
+@pytest.mark.parametrize("conditions", [False, True], ids=["text-to-image inpainting", "masked edit"])
+def test_a_masked_edit_samples_a_start_per_image_and_a_lost_one_is_encoded_again_under_a_new_id(conditions):
+    stages = FakeStages(lose={"encode_image": 1})
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    inputs = InputImages((pixels,), (pixels,) if conditions else (), np.ones((8, 8), np.uint8), conditions)
+    masked = GenerationPlan(parse_request({"prompt": "a cat", "n": 2}), 64, 64, 4, seed=10, inputs=inputs,
+                            inpaint=Inpaint(inputs.mask, 0.5), timeout_s=5.0)
+    events = run(stages, masked)
+    assert sorted(e.index for e in events if isinstance(e, ImageDone)) == [0, 1]
+    encodes = stages.calls_to("encode_image")
+    assert sorted(call.args[0] for call in encodes) == ["r-0-retry1-start", "r-0-start", "r-1-start"]
+    assert {call.args[2] for call in encodes if call.args[0].startswith("r-1")} == {11}  # sampled with its seed
+    for call in stages.calls_to("denoise"):
+        start = call.args[4]
+        assert start.name == "encode_image" and call.args[3] == ((start,) if conditions else ())
+        assert call.args[1].first_step == 2 and call.args[1].steps_run == 2  # strength 0.5 of 4 steps
+    assert [e.total for e in events if isinstance(e, Progress)] == [2] * 4
 
 
 def test_output_mode_reaches_the_decode():

@@ -127,7 +127,7 @@ class Client:
         edited as ``prompt`` says, from an app serving an edit preset; with ``mask`` (OpenAI's: a PNG of the image's
         size, fully transparent where to change), only there, on an edit or text-to-image preset. ``options`` and
         ``progress`` as for ``generate``."""
-        images = image if isinstance(image, list) else [image]
+        images = list(image) if isinstance(image, (list, tuple)) else [image]
         uploads = ([_file_bytes(item) for item in images], _file_bytes(mask) if mask is not None else None)
         return self._images(prompt, uploads, progress, options)
 

@@ -89,15 +89,14 @@ def load_masked_input(image: bytes, mask: bytes, config: PipelineConfig, size: t
 def open_mask(data: bytes, size: tuple[int, int], max_bytes: int):
     """OpenAI's mask as diffusers' mask image: an 'L' PIL image, 255 where the mask is fully transparent (what to
     change), 0 elsewhere. ``size`` is the image's (width, height)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
         raise RequestError("mask: an empty file", param="mask")
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"mask: the file is {len(data)} bytes; the limit is {max_bytes}", param="mask")
     try:
-        mask = Image.open(io.BytesIO(data))
-        mask.load()
+        mask = Image.open(io.BytesIO(data))  # reads the header only: the checks below come before any decoding
     except (UnidentifiedImageError, Image.DecompressionBombError):
         raise RequestError("mask: not a readable PNG file", param="mask") from None
     except Exception as err:
@@ -105,9 +104,16 @@ def open_mask(data: bytes, size: tuple[int, int], max_bytes: int):
     if mask.format != "PNG":
         raise RequestError(f"mask: {mask.format} files are not supported; send a PNG with an alpha channel",
                            param="mask")
+    wrong_size = RequestError(f"mask: {mask.width}x{mask.height}, but the image is {size[0]}x{size[1]}; they must "
+                              "be the same size", param="mask")
+    if mask.size not in (size, size[::-1]):  # before decoding: a small file can declare a huge mask
+        raise wrong_size
+    try:
+        mask = ImageOps.exif_transpose(mask)  # decodes it, turned as the image is
+    except Exception as err:
+        raise RequestError(f"mask: the file is corrupt or truncated ({err})", param="mask") from None
     if mask.size != size:
-        raise RequestError(f"mask: {mask.width}x{mask.height}, but the image is {size[0]}x{size[1]}; they must be "
-                           "the same size", param="mask")
+        raise wrong_size
     if "A" not in mask.getbands() and "transparency" not in mask.info:
         raise RequestError("mask: no alpha channel; its fully transparent pixels mark what to change",
                            param="mask")

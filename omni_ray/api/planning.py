@@ -16,6 +16,7 @@ from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig
 from omni_ray.errors import NotFoundError, RequestError
 from omni_ray.qwen_image import (
     INPAINT_STRENGTH,
+    VISION_TOKENS,
     check_side,
     dit_work_tokens,
     inpaint_start,
@@ -63,7 +64,7 @@ class GenerationPlan:
         """Tokens each denoising step of one image pushes through the transformer (``qwen_image.dit_work_tokens``),
         the text's estimated from the tokens the encoder reads."""
         passes = 2 if self.true_cfg else 1
-        drop = template_for(self.inputs is not None).drop  # Edit and Edit-Plus drop as many
+        drop = template_for(self.inputs is not None and self.inputs.conditions).drop  # Edit and Edit-Plus: as many
         text = max(1, self.input_tokens.total // passes - drop)
         image_sizes = self.inputs.condition_sizes if self.inputs is not None else ()
         return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_sizes)
@@ -114,6 +115,11 @@ def plan_request(
     inpaint = check_mask(request, inputs, height, width)
     input_tokens = TokenCount(0)
     true_cfg = uses_true_cfg(true_cfg_scale, request.negative_prompt is not None)
+    for field in ("prompt", "negative_prompt"):
+        text = getattr(request, field) or ""
+        if config.edit is not None and any(token in text for token in VISION_TOKENS):
+            raise RequestError(f"{field}: must not contain Qwen2.5-VL's vision tokens ({', '.join(VISION_TOKENS)})",
+                               param=field)
     if count_tokens is not None:
         image_sizes = tuple(image.shape[:2] for image in inputs.encoder) if inputs is not None else ()
         for field in ("prompt", "negative_prompt"):
@@ -140,6 +146,9 @@ def plan_request(
     if recipe is not None and recipe.num_inference_steps and request.num_inference_steps is None \
             and request.quality == "auto":  # the client may send quality "auto" itself, as SDKs do
         steps = recipe.num_inference_steps
+    if inpaint is not None and inpaint_start(steps, inpaint.strength) >= steps:
+        raise RequestError(f"strength: {inpaint.strength:g} of {steps} steps runs none; raise it or the steps",
+                           param="strength")
     if request.timeout is not None and request.timeout > config.requests.timeout_s:
         raise RequestError(f"timeout: at most {config.requests.timeout_s:g} s here (requests.timeout_s)",
                            param="timeout")

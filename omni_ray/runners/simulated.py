@@ -82,7 +82,7 @@ class _Denoising:
 
     @property
     def passes(self) -> int:
-        return self.params.num_inference_steps * (2 if self.true_cfg else 1)
+        return self.params.steps_run * (2 if self.true_cfg else 1)
 
 
 class SimulatedDenoiser:

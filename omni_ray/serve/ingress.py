@@ -231,7 +231,8 @@ class Coordinator:
         shares its steps between."""
         with self._counting_errors():
             inputs = None
-            files = [image] if isinstance(image, bytes) else list(image) if image is not None else None
+            files = [bytes(image)] if isinstance(image, (bytes, bytearray, memoryview)) else \
+                [bytes(item) for item in image] if image is not None else None
             if files is not None:
                 check_route(self.config, has_image=True, has_mask=mask is not None)  # before decoding anything
             if mask is not None:
