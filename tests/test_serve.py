@@ -546,6 +546,34 @@ def test_streaming_n_images_and_the_clients_progress_bar(served, capsys):
     assert "6/6" in capsys.readouterr().err  # tqdm drew the bar to the end
 
 
+def test_a_text_to_image_app_inpaints_an_image_where_the_mask_is_transparent(served, tiny_dir):
+    """/v1/images/edits with an image and OpenAI's mask on a text-to-image preset: diffusers'
+    QwenImageInpaintPipeline (the image stretched to the output size), through the official client; without the
+    mask the route is refused naming `image`."""
+    import openai
+    from diffusers import QwenImageInpaintPipeline
+    from PIL import Image
+
+    from testing.reference import openai_mask, reference_masked, source_image
+    from testing.serving import file_bytes
+
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    source = source_image(150, 120, seed=3)
+    repaint = np.zeros((120, 150), bool)
+    repaint[30:90, 40:120] = True
+    events = list(client.images.edit(image=("in.png", file_bytes(source), "image/png"), stream=True,
+                                     mask=("m.png", openai_mask(repaint), "image/png"), prompt="a cat", size="64x96",
+                                     extra_body={"seed": 2, "num_inference_steps": 5, "strength": 0.8}))
+    assert [type(event).__name__ for event in events] == ["ImageEditCompletedEvent"]
+    expected = reference_masked(QwenImageInpaintPipeline.from_pretrained(tiny_dir), source,
+                                Image.fromarray(repaint.astype(np.uint8) * 255), seed=2, prompt="a cat",
+                                num_inference_steps=5, strength=0.8, height=96, width=64)
+    assert within_one_level(png(events[-1].b64_json), expected)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(image=("in.png", file_bytes(source), "image/png"), prompt="a cat")
+    assert info.value.param == "image" and "mask" in info.value.message
+
+
 def test_48_streams_16_at_a_time_each_equal_to_its_plain_image(served):
     """Streams under concurrency lose nothing: the latents a stream hands on are owned by the coordinator. Each
     image equals the plain request's within one level: both ran in step batches of whatever else was in flight, and
@@ -737,30 +765,3 @@ def test_sigterm_stops_serve_run_within_10_s_and_leaves_no_vllm_file(served):
 
     assert_stops_within_10_s_leaving_no_vllm_file(served, signal.SIGTERM)
 
-
-def test_a_text_to_image_app_inpaints_an_image_where_the_mask_is_transparent(served, tiny_dir):
-    """/v1/images/edits with an image and OpenAI's mask on a text-to-image preset: diffusers'
-    QwenImageInpaintPipeline (the image stretched to the output size), through the official client; without the
-    mask the route is refused naming `image`."""
-    import openai
-    from diffusers import QwenImageInpaintPipeline
-    from PIL import Image
-
-    from testing.reference import openai_mask, reference_masked, source_image
-    from testing.serving import file_bytes
-
-    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
-    source = source_image(150, 120, seed=3)
-    repaint = np.zeros((120, 150), bool)
-    repaint[30:90, 40:120] = True
-    events = list(client.images.edit(image=("in.png", file_bytes(source), "image/png"), stream=True,
-                                     mask=("m.png", openai_mask(repaint), "image/png"), prompt="a cat", size="64x96",
-                                     extra_body={"seed": 2, "num_inference_steps": 5, "strength": 0.8}))
-    assert [type(event).__name__ for event in events] == ["ImageEditCompletedEvent"]
-    expected = reference_masked(QwenImageInpaintPipeline.from_pretrained(tiny_dir), source,
-                                Image.fromarray(repaint.astype(np.uint8) * 255), seed=2, prompt="a cat",
-                                num_inference_steps=5, strength=0.8, height=96, width=64)
-    assert within_one_level(png(events[-1].b64_json), expected)
-    with pytest.raises(openai.BadRequestError) as info:
-        client.images.edit(image=("in.png", file_bytes(source), "image/png"), prompt="a cat")
-    assert info.value.param == "image" and "mask" in info.value.message
