@@ -1,12 +1,14 @@
 """Soak: thousands of mixed requests on the served app, 16 at a time; nothing lost, no memory growth, no leftovers.
 
-    .venv/bin/python -m benchmarks.soak [--requests 2000] [--edits 500] [--concurrency 16]
+    .venv/bin/python -m benchmarks.soak [--requests 2000] [--edits 500] [--plus-edits 500] [--concurrency 16]
 
-Two phases, each on a fresh local cluster (``testing.local_serve.LocalServe``):
+Three phases, each on a fresh local cluster (``testing.local_serve.LocalServe``):
 
 - ``config.yaml`` (tiny text-to-image preset): text to image with n 1-3, a quarter streamed, a tenth invalid (each
   must be a 400 naming its field) and a twentieth cancelled by the client mid-flight;
-- ``config.edit.yaml`` (tiny edit preset): multipart edits of generated photos, a quarter streamed, a tenth invalid.
+- ``config.edit.yaml`` (tiny edit preset): multipart edits of generated photos, a quarter streamed, a tenth invalid,
+  a fifth masked (OpenAI's mask, strength 0.4 to 1);
+- ``config.edit.yaml`` on the tiny Edit-Plus preset: edits of 1 to 3 photos of three sizes, as the edit phase.
 
 A valid request is lost unless it comes back 200 with all its images (a stream: all its ``completed`` events and no
 ``error`` event) within its deadline. Every 2 s it samples each replica's resident memory (RSS) and the object store.
@@ -64,13 +66,32 @@ class Client:
             connection.close()
 
 
-def multipart(fields: dict, image: bytes) -> tuple[bytes, str]:
+def multipart(fields: dict, images: list[bytes], mask: bytes | None = None) -> tuple[bytes, str]:
     boundary = "soakboundary"
     parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
              for k, v in fields.items()]
-    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="in.png"\r\n'
-                 "Content-Type: image/png\r\n\r\n".encode() + image + b"\r\n")
+    files = [("image[]" if len(images) > 1 else "image", image) for image in images] + ([("mask", mask)] if mask
+                                                                                          else [])
+    for name, data in files:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="in.png"\r\n'
+                     "Content-Type: image/png\r\n\r\n".encode() + data + b"\r\n")
     return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def mask(seed: int, width: int = 160, height: int = 112) -> bytes:
+    """OpenAI's mask for ``photo``'s size: a PNG, fully transparent in a rectangle."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = np.full((height, width, 4), 255, np.uint8)
+    top, left = rng.integers(0, height // 2), rng.integers(0, width // 2)
+    pixels[top : top + height // 3, left : left + width // 3, 3] = 0
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, mode="RGBA").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+PLUS_SIZES = [(160, 112), (96, 160), (128, 128)]  # an Edit-Plus request's photos: wide, tall, square
 
 
 def photo(seed: int, width: int = 160, height: int = 112) -> bytes:
@@ -102,14 +123,15 @@ def check(status, data: bytes, n: int, streamed: bool) -> str | None:
     return None
 
 
-def one_request(client: Client, i: int, edit: bool, timeout: float) -> tuple[str, str | None, float]:
-    """Request ``i`` of the mix: (kind, problem or None, seconds)."""
+def one_request(client: Client, i: int, edit: str, timeout: float) -> tuple[str, str | None, float]:
+    """Request ``i`` of the mix (``edit``: "" for text to image, "edit" or "plus"): (kind, problem or None,
+    seconds)."""
     start = time.monotonic()
     path = "/v1/images/edits" if edit else "/v1/images/generations"
     if i % 10 == 0:
         body, param = INVALID[i // 10 % len(INVALID)]
         if edit:
-            data, content_type = multipart({k: v for k, v in body.items()}, photo(i))
+            data, content_type = multipart({k: v for k, v in body.items()}, [photo(i)])
         else:
             data, content_type = json.dumps(body).encode(), "application/json"
         status, answer = client.send(path, data, content_type, timeout)
@@ -120,16 +142,20 @@ def one_request(client: Client, i: int, edit: bool, timeout: float) -> tuple[str
             **({"negative_prompt": "blurry"} if i % 2 else {}), **({"stream": True} if streamed else {})}
     if not edit:
         body["size"] = ("64x64", "96x64", "64x96")[i % 3]
+    masked = edit == "edit" and i % 5 == 3
+    if masked:
+        body["strength"] = 0.4 + 0.2 * (i % 4)
     if edit:
-        data, content_type = multipart({k: str(v).lower() if isinstance(v, bool) else v for k, v in body.items()},
-                                       photo(i))
+        fields = {k: str(v).lower() if isinstance(v, bool) else v for k, v in body.items()}
+        images = [photo(i + k, *PLUS_SIZES[(i + k) % 3]) for k in range(1 + i % 3)] if edit == "plus" else [photo(i)]
+        data, content_type = multipart(fields, images, mask(i) if masked else None)
     else:
         data, content_type = json.dumps(body).encode(), "application/json"
     if i % 20 == 7:
         status, _ = client.send(path, data, content_type, timeout, hang_up_s=0.2)
         return "cancelled", None, time.monotonic() - start
     status, answer = client.send(path, data, content_type, timeout)
-    kind = "streamed" if streamed else "json"
+    kind = ("masked " if masked else "") + ("streamed" if streamed else "json")
     return kind, check(status, answer, n, streamed), time.monotonic() - start
 
 
@@ -158,22 +184,26 @@ class Sampler(threading.Thread):
             self.samples.append(self.sample())
 
 
-def phase(config: str, count: int, concurrency: int, edit: bool, timeout: float = 300.0) -> dict:
+def phase(config: str, count: int, concurrency: int, edit: str, timeout: float = 300.0, preset: str | None = None
+          ) -> dict:
     import ray
+    import yaml
 
     from testing.local_serve import LocalServe
 
-    print(f"{config}: {count} requests, {concurrency} at a time", flush=True)
-    with LocalServe(REPO / config) as served:
+    name = f"{config} ({preset})" if preset else config
+    print(f"{name}: {count} requests, {concurrency} at a time", flush=True)
+    stage_config = yaml.safe_load((REPO / "stage_configs" / preset).read_text()) if preset else None
+    with LocalServe(REPO / config, preset=stage_config) as served:
         connect_ray(served.address)
         try:  # disconnect before LocalServe stops the cluster (`ray stop --force` ends connected drivers too)
             outcomes, elapsed, sampler, warm_at, baseline, end = drive(served, count, concurrency, edit, timeout)
         finally:
             ray.shutdown()
-    return summarize(config, outcomes, elapsed, sampler.samples, warm_at, baseline, end)
+    return summarize(name, outcomes, elapsed, sampler.samples, warm_at, baseline, end)
 
 
-def drive(served, count: int, concurrency: int, edit: bool, timeout: float):
+def drive(served, count: int, concurrency: int, edit: str, timeout: float):
     """Sends the mix while the sampler runs; waits up to 30 s for the object store to drain."""
     sampler = Sampler(served)
     baseline = sampler.sample()
@@ -206,7 +236,7 @@ def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dic
     for kind, _, _ in outcomes:
         kinds[kind] = kinds.get(kind, 0) + 1
     problems = [(kind, problem) for kind, problem, _ in outcomes if problem is not None]
-    latencies = np.array([seconds for kind, problem, seconds in outcomes if kind in ("json", "streamed")])
+    latencies = np.array([seconds for kind, problem, seconds in outcomes if kind not in ("invalid", "cancelled")])
     warm = [s for s in samples if s["t"] >= warm_at]
     growth = {}
     for name in sorted({n for s in warm for n in s["rss_mb"]}):
@@ -252,14 +282,19 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=2000, help="mixed requests on config.yaml")
+    parser.add_argument("--requests", type=int, default=2000, help="mixed requests on config.yaml (0 skips it)")
     parser.add_argument("--edits", type=int, default=500, help="edits on config.edit.yaml (0 skips the phase)")
+    parser.add_argument("--plus-edits", type=int, default=500,
+                        help="edits of 1 to 3 images on the tiny Edit-Plus preset (0 skips the phase)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = parser.parse_args()
-    phases = [phase("config.yaml", args.requests, args.concurrency, edit=False)]
+    phases = [phase("config.yaml", args.requests, args.concurrency, edit="")] if args.requests else []
     if args.edits:
-        phases.append(phase("config.edit.yaml", args.edits, args.concurrency, edit=True))
+        phases.append(phase("config.edit.yaml", args.edits, args.concurrency, edit="edit"))
+    if args.plus_edits:
+        phases.append(phase("config.edit.yaml", args.plus_edits, args.concurrency, edit="plus",
+                            preset="qwen_image_edit_plus_tiny.yaml"))
     report = {"machine": machine(), "concurrency": args.concurrency, "max_growth_mb": MAX_GROWTH_MB, "phases": phases}
     write_report(report, args.out, plot)
     failed = False

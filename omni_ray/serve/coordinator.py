@@ -20,7 +20,7 @@ from omni_ray.serve import metrics, ray_private
 from omni_ray.serve.adapters import Adapter, AdapterStore
 from omni_ray.serve.api_keys import ApiKeys
 from omni_ray.serve.ingress import Coordinator, Observer, build_api
-from omni_ray.serve.process import freeze_startup_heap, watch_event_loop
+from omni_ray.serve.process import collect_when_idle, freeze_startup_heap, watch_event_loop
 from omni_ray.serve.serve_stages import ServeStages
 
 COORDINATOR = {"stage": "coordinator"}
@@ -65,7 +65,7 @@ class ClusterAdapters(AdapterStore):
 class ServeCoordinator(Coordinator):
     """The coordinator as a Serve replica: over the stage deployments' handles, with the app's adapters in the
     cluster's key-value store and the API keys of its process's ``OMNI_RAY_API_KEY``, counting into Prometheus,
-    watching its own event loop."""
+    watching its own event loop, collecting garbage when idle (``collect_when_idle``)."""
 
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
         tokenizer = PromptTokenizer(config.model, config.prompt_template)
@@ -73,6 +73,7 @@ class ServeCoordinator(Coordinator):
                          _Metrics(), ClusterAdapters(serve.get_replica_context().app_name), ApiKeys.from_env())
         # Serve runs the constructor on the event loop that serves the requests: the one to watch.
         self.watch = asyncio.get_running_loop().create_task(_watch_event_loop())
+        self.collect = asyncio.get_running_loop().create_task(collect_when_idle(lambda: (self.in_flight, self.served)))
         freeze_startup_heap()
 
 

@@ -89,6 +89,8 @@ class Coordinator:
         self.started = int(time.time())  # /v1/models' `created` of the base model and the preset's adapters
         self.page_html = page_html(config, api_key=self.api_keys.required)
         self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
+        self.in_flight = 0  # requests whose events are being produced
+        self.served = 0  # requests that ended, however
         if self.api_keys.required:
             logger.info("API keys are on: /v1/... routes take `Authorization: Bearer <key>`")
         else:
@@ -294,13 +296,18 @@ class Coordinator:
                      ) -> AsyncIterator[RequestEvent]:
         """The request's event stream over the stages, counted and logged."""
         start = time.perf_counter()
-        async for event in run_request(self.stages, plan, request_id, self.config.requests, output):
-            if isinstance(event, Failed):
-                self.observer.request_failed(event.error)
-                logger.warning("request %s failed: %s", request_id, event.error)
+        self.in_flight += 1
+        try:
+            async for event in run_request(self.stages, plan, request_id, self.config.requests, output):
+                if isinstance(event, Failed):
+                    self.observer.request_failed(event.error)
+                    logger.warning("request %s failed: %s", request_id, event.error)
+                    yield event
+                    return
                 yield event
-                return
-            yield event
+        finally:
+            self.in_flight -= 1
+            self.served += 1
         seconds = time.perf_counter() - start
         self.observer.request_done(seconds, plan.request.n)
         logger.info("request %s: %d image(s) in %.0f ms", request_id, plan.request.n, 1000 * seconds)

@@ -17,6 +17,24 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+async def collect_when_idle(counts: Callable[[], tuple[int, int]], period_s: float = 5.0) -> None:
+    """Forever: every ``period_s``, a full garbage collection if requests ended since the last one and none is in
+    flight (``counts()``: requests in flight, requests ended so far).
+
+    Ray Serve's request router leaves reference cycles behind (cancelled replica-probing tasks whose tracebacks hold
+    the pending calls' arguments), and with them our references to results in the object store: after a soak of
+    edits about 0.5 MB of images, latents and embeddings stayed pinned in an idle cluster, where the collector never
+    ran a full collection; one collection freed all of it. Idle, the collection (over what was made since start-up,
+    ``freeze_startup_heap``) delays no request."""
+    collected_at = -1
+    while True:
+        await asyncio.sleep(period_s)
+        in_flight, ended = counts()
+        if not in_flight and ended != collected_at:
+            gc.collect()
+            collected_at = ended
+
+
 def cpu_wait_s() -> float:
     """Seconds the calling thread has spent ready to run but waiting for a CPU that other threads or processes held
     (Linux's schedstat; 0 elsewhere)."""
