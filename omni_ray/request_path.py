@@ -212,6 +212,7 @@ class _SharedInputs:
         self.prompt_images = tuple(map(put, inputs.encoder)) if inputs is not None else ()
         self.prompt = self._encode_prompt()
         self.masked = plan.inpaint is not None  # each image starts from its own sample of the first input image
+        self.image_encodes = 0  # times the image latents were asked for: a retry's calls get ids of their own
         self.image_latents = self._encode_images() if not self.masked else ()
 
     def _encode_prompt(self) -> Handle:
@@ -220,7 +221,9 @@ class _SharedInputs:
         return self.stages.encode_prompt(EncodeRequest(self.request_id, request.prompt, negative), self.prompt_images)
 
     def _encode_images(self) -> tuple[Handle, ...]:
-        return tuple(self.stages.encode_image(f"{self.request_id}-input{i}", image)
+        retry = f"-retry{self.image_encodes}" if self.image_encodes else ""
+        self.image_encodes += 1
+        return tuple(self.stages.encode_image(f"{self.request_id}-input{i}{retry}", image)
                      for i, image in enumerate(self.images))
 
     def encode_start(self, image_id: str, seed: int) -> Handle:

@@ -63,6 +63,15 @@ def test_an_edit_stores_its_image_once_and_both_encoders_read_that_handle():
     assert all(call.args[3] == (image_latents,) for call in stages.calls_to("denoise"))
 
 
+def test_a_lost_image_encode_is_issued_again_once_for_every_image_of_the_request_under_new_ids():
+    stages = FakeStages(lose={"encode_image": 1})
+    images = (np.zeros((32, 64, 3), np.uint8), np.ones((64, 32, 3), np.uint8))
+    events = run(stages, plan(image=InputImages(images, images), n=3))
+    assert sorted(e.index for e in events if isinstance(e, ImageDone)) == [0, 1, 2]
+    assert [call.args[0] for call in stages.calls_to("encode_image")] == ["r-input0", "r-input1", "r-input0-retry1",
+                                                                          "r-input1-retry1"]
+
+
 @pytest.mark.parametrize("conditions", [False, True], ids=["text-to-image inpainting", "masked edit"])
 def test_a_masked_edit_samples_a_start_per_image_and_a_lost_one_is_encoded_again_under_a_new_id(conditions):
     stages = FakeStages(lose={"encode_image": 1})
