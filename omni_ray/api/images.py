@@ -77,10 +77,8 @@ def load_masked_input(image: bytes, mask: bytes, config: PipelineConfig, size: t
     picture = open_input_image(image, max_bytes)
     repaint = open_mask(mask, picture.size, max_bytes)
     if edit is not None:
-        height, width = working_size(picture.width, picture.height, edit.image_area)
-        check_sides(width, height, config, "image", f"a {picture.width}x{picture.height} image's working ")
-        start = resize_image(picture, height, width)
-        return InputImages((start,), (start,), mask_grid(repaint, height, width))
+        start = _resized(picture, config, edit.image_area, f"a {picture.width}x{picture.height} image's working ")
+        return InputImages((start,), (start,), mask_grid(repaint, *start.shape[:2]))
     height, width = size
     return InputImages((resize_image(picture, height, width),), (), mask_grid(repaint, height, width),
                        conditions=False)

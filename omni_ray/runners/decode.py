@@ -129,15 +129,13 @@ class VaeRunner:
         moments = self.encoder(pixels.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last))
         mean, logvar = moments.chunk(2, dim=1)
         latents_mean, latents_std = self.latents_mean.to(self.dtype), self.latents_std.to(self.dtype)
-        rows = []
+        normalised = (mean - latents_mean) / latents_std
         for row, seed in enumerate(seeds):
             if seed is None:
-                rows.append((mean[row] - latents_mean[0]) / latents_std[0])
                 continue
             std = torch.exp(0.5 * torch.clamp(logvar[row], -30.0, 20.0))
             generator = torch.Generator("cpu").manual_seed(seed)
             eps = torch.randn((1, *mean.shape[1:2], 1, *mean.shape[2:]), generator=generator, dtype=mean.dtype)
             sample = mean[row] + std * eps[0, :, 0].to(self.device)
-            rows.append((sample - latents_mean[0]) * (1.0 / latents_std[0]))
-        normalised = torch.stack(rows)
+            normalised[row] = (sample - latents_mean[0]) * (1.0 / latents_std[0])
         return pack_latents(normalised.contiguous().unsqueeze(1))  # [B, frames=1, z_dim, h, w] -> [B, tokens, 64]
