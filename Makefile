@@ -45,7 +45,7 @@ else
 # needs its pure-Python transforms. The script explains the guard.
 	$(PY) tools/guard_torchvision.py
 endif
-# serve run's start-up hook (omni_ray/serve/run_hook.py): a stale cluster address dropped, SIGTERM a clean stop.
+# serve run's start-up hook (deployments/run_hook.py): a stale cluster address dropped, SIGTERM a clean stop.
 	$(PY) -m omni_ray.serve.run_hook
 	touch $@
 
@@ -55,7 +55,7 @@ $(TINY_DIR)/model_index.json: $(STAMP) omni_ray/checkpoints/tiny.py
 test: install
 	$(PY) -m pytest
 
-# `serve run` drops an address file that names a dead cluster and stops cleanly on SIGTERM: omni_ray/serve/run_hook.py.
+# `serve run` drops an address file that names a dead cluster and stops cleanly on SIGTERM: deployments/run_hook.py.
 serve: install
 	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run config.yaml
 

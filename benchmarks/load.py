@@ -235,7 +235,7 @@ def idle_process_lateness(duration_s: float) -> dict:
     is, for ``duration_s``; how often it woke over 20 ms late, and over 20 ms less its wait for a CPU; and how much
     of the machine's CPU time its hypervisor took (``host_steal_share``; 0 on bare metal), with the samples in
     which it surely held one CPU over 20 ms (Linux counts it in ticks of 10 ms: three ticks or more)."""
-    from omni_ray.serve.process import watch_event_loop
+    from deployments.process import watch_event_loop
 
     samples: list[tuple[float, float]] = []
     stolen = [cpu_steal_s()]

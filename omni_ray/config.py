@@ -69,7 +69,7 @@ class AutoscalingConfig(_Frozen):
     )
     target_queued_work_s: float | None = Field(
         None, gt=0, description="DiT only: scale on the work the replicas hold instead, in cost-seconds (their "
-        "requests' remaining steps at their measured step times; omni_ray/serve/autoscaling.py): as many replicas "
+        "requests' remaining steps at their measured step times; deployments/autoscaling.py): as many replicas "
         "as that work over this.",
     )
     look_back_period_s: float = Field(30.0, gt=0, description="Seconds of the replicas' reports Serve averages "

@@ -5,7 +5,7 @@ true CFG once; the encoder encodes the negative prompt and the DiT runs its pass
 fan-out over ``n``, the deadline, cancellation when the caller goes away, retries of lost stage calls, and error
 events. It reaches the stages through ``Stages``, a small Ray-free protocol with two implementations: the engines in
 one process (``omni_ray.pipeline.LocalStages``) and Serve deployment handles
-(``omni_ray.serve.serve_stages.ServeStages``), which pass each stage's result to the next by reference. Every caller
+(``deployments.stages.ServeStages``), which pass each stage's result to the next by reference. Every caller
 is a view of the stream: a JSON response drains it (``collect``), server-sent events forward it, the in-process
 pipeline collects it.
 
@@ -20,9 +20,9 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import LoraEntry, RequestLimits
@@ -32,7 +32,6 @@ from omni_ray.records import (
     DenoiseParams,
     EncodeRequest,
     Finished,
-    Follows,
     OutputMode,
     Preview,
     StepDone,
@@ -345,27 +344,3 @@ class _Previews:
     def cancel(self) -> None:
         for task in self.decodes + self.emitted:
             task.cancel()
-
-
-async def read_step_stream(
-    items: AsyncIterator[Any], fetch: Callable[[Any], Awaitable[Any]]
-) -> AsyncIterator[DenoiseEvent]:
-    """A stepping stage's stream as sent over a wire that yields ``StepDone`` and then, unwrapped, the payload the
-    step announced (``StepDone.follows``), read into typed items. ``fetch`` reads a ``StepDone`` (an object
-    reference's value, say); the payloads are never fetched, only wrapped, so a large result stays where it is."""
-    async for item in items:
-        step: StepDone = await fetch(item)
-        yield step
-        if step.follows is Follows.PREVIEW:
-            yield Preview(await anext(items))
-        elif step.follows is Follows.RESULT:
-            yield Finished(await anext(items))
-            return
-    raise EngineError("the stream ended before its result")
-
-
-async def write_step_stream(items: AsyncIterator[DenoiseEvent]) -> AsyncIterator[Any]:
-    """The typed stream as ``read_step_stream`` reads it: each ``StepDone``, then a preview's or the result's payload
-    unwrapped."""
-    async for item in items:
-        yield item if isinstance(item, StepDone) else item.result

@@ -178,7 +178,7 @@ def test_every_preset_validates():
 
 
 def test_deployment_options_carry_threads_and_custom_resources(tiny_dir):
-    from omni_ray.serve.app import deployment_options
+    from deployments.app import deployment_options
 
     data = tiny_preset(tiny_dir)
     data["dit"]["deployment"]["resources"] = {"omni_dit_node": 1}

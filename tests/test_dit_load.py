@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from deployments.autoscaling import QueuedWorkPolicy
+from deployments.routing import LeastWorkRouter
 from omni_ray.engine.dit_load import DiTLoad, StepTimes
-from omni_ray.serve.autoscaling import QueuedWorkPolicy
-from omni_ray.serve.routing import LeastWorkRouter
 
 
 def test_step_times_learn_the_overhead_and_the_cost_per_token_from_the_steps_run():

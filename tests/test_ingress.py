@@ -1,5 +1,5 @@
-"""The ingress's routes without a Ray cluster: the plain Coordinator over a fake stage protocol, its routes attached
-by build_api, driven by starlette's TestClient. test_serve.py runs the same routes over the real stage deployments."""
+"""The ingress's routes without a Ray cluster: the CrossEngineCoordinator over a fake stage protocol, its routes
+attached by build_api, driven by starlette's TestClient. test_serve.py runs the same routes over the real stage deployments."""
 
 import base64
 import io
@@ -11,15 +11,15 @@ from conftest import REPO
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from deployments.http.api_keys import ApiKeys
+from deployments.http.routes import ROUTES
 from omni_ray.api.images import working_size
 from omni_ray.config import LoraEntry, LoraSettings, load_config
 from omni_ray.errors import OverloadedError
 from omni_ray.runners import lora as lora_module
 from omni_ray.runners.lora import AdapterFiles
-from omni_ray.runners.tokenizer import PromptTokenizer
-from omni_ray.serve.adapters import MemoryAdapters
-from omni_ray.serve.api_keys import ApiKeys
-from omni_ray.serve.ingress import ROUTES, Coordinator, build_api
+from testing import coordinator
+from testing.coordinator import MemoryAdapters
 from testing.fake_stages import FakeStages
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -27,9 +27,7 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 def client_for(config, stages=None, unready=list, **options) -> tuple[TestClient, FakeStages]:
     stages = stages or FakeStages()
-    tokenizer = PromptTokenizer(config.model, config.prompt_template)
-    coordinator = Coordinator(stages, config, tokenizer.num_tokens, unready, **options)
-    return TestClient(build_api(coordinator)), stages
+    return coordinator.client(config, stages, unready=unready, **options), stages
 
 
 def allowing_runtime_adapters(config, *roots):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from omni_ray.serve.app import AppArgs, build_app
+from deployments.app import AppArgs, build_app
 
 CRD = REPO.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
 MANIFESTS = sorted((REPO / "k8s").glob("*.yaml"))

@@ -1,6 +1,7 @@
-"""The layers import one way (DESIGN.md's table): no import cycle in the package; the request path and the API import
-with torch, model code and Ray all unavailable; the engine and the runners never import Ray; the scheduler and
-request-path tests load no model code; loading a preset writes nothing."""
+"""The layers import one way (DESIGN.md's table): no import cycle in either package; nothing under omni_ray/ imports
+Ray but the Python client's Ray transport (``deployments/`` is the Serve layer); the request path and the API import
+with torch, model code and Ray all unavailable; the scheduler and request-path tests load no model code; loading a
+preset writes nothing."""
 
 import ast
 import pathlib
@@ -39,8 +40,8 @@ def _run_blocking(blocked: tuple[str, ...], code: str) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-c", block + code], capture_output=True, text=True, cwd=REPO)
 
 
-def test_no_import_cycle_in_the_package():
-    modules = _modules("omni_ray")
+def test_no_import_cycle_in_the_packages():
+    modules = {**_modules("omni_ray"), **_modules("deployments")}
     graph = {name: {m for m in _imported(path, set(modules)) if m in modules and m != name}
              for name, path in modules.items()}
     cycles, done, stack = [], set(), []
@@ -59,17 +60,23 @@ def test_no_import_cycle_in_the_package():
 
     for name in sorted(graph):
         visit(name)
-    assert len(graph) > 40 and cycles == []
+    assert len(graph) > 60 and cycles == []
 
 
-@pytest.mark.parametrize("folder", ["omni_ray/engine", "omni_ray/runners"])
-def test_engine_and_runners_never_import_ray(folder):
-    modules = _modules(folder)
+def test_nothing_under_omni_ray_imports_ray_but_the_clients_ray_transport():
+    modules = _modules("omni_ray")
     offenders = [name for name, path in modules.items()
                  if any(m.split(".")[0] == "ray" for m in _imported(path, set()))]
-    assert modules and offenders == []
+    assert len(modules) > 40 and offenders == ["omni_ray.api.client"]
+    client = ast.parse(modules["omni_ray.api.client"].read_text())
+    top_level = [node for node in client.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert not any(m.split(".")[0] == "ray" for node in top_level for m in _names(node))  # lazily, in Client.ray
     result = _run_blocking(("ray",), "".join(f"import {name}\n" for name in modules))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    return [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
 
 
 def test_the_request_path_and_the_api_import_without_torch_model_code_or_ray():
@@ -109,7 +116,7 @@ def test_loading_every_preset_writes_nothing(tmp_path):
 
 def test_the_coordinator_replica_loads_no_model_code():
     """A coordinator replica imports its class's module: the tokenizer, but no diffusers, vLLM or model classes."""
-    result = _run_blocking(("diffusers", "vllm"), "import omni_ray.serve.coordinator\n"
+    result = _run_blocking(("diffusers", "vllm"), "import deployments.coordinator\n"
                            "print(sorted(m for m in sys.modules if m.startswith('omni_ray.runners')))")
     assert result.returncode == 0, result.stderr[-2000:]
     assert eval(result.stdout) == ["omni_ray.runners", "omni_ray.runners.tokenizer"]

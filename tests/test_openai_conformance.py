@@ -16,7 +16,7 @@ from PIL import Image
 from omni_ray.config import load_config
 from omni_ray.errors import OverloadedError
 from omni_ray.runners.tokenizer import PromptTokenizer
-from omni_ray.serve.ingress import Coordinator, build_api
+from testing.coordinator import client
 from testing.fake_stages import FakeStages
 from testing.openai_api import conforms, event_kind, schema_errors
 
@@ -28,8 +28,7 @@ def tiny_config(tiny_dir):
 
 
 def app_for(config, stages=None) -> TestClient:
-    tokenizer = PromptTokenizer(config.model, config.prompt_template)
-    return TestClient(build_api(Coordinator(stages or FakeStages(), config, tokenizer.num_tokens)))
+    return client(config, stages)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import os
 import time
 
 from benchmarks.load import cpu_steal_s
-from omni_ray.serve.process import cpu_wait_s
+from deployments.process import cpu_wait_s
 
 
 def test_cpu_wait_counts_the_time_a_ready_thread_waits_for_a_cpu():
@@ -45,7 +45,7 @@ def test_garbage_in_cycles_is_collected_once_requests_ended_and_none_is_in_fligh
     import gc
     import weakref
 
-    from omni_ray.serve.process import collect_when_idle
+    from deployments.process import collect_when_idle
 
     class Held:
         pass

@@ -185,7 +185,7 @@ def test_stage_errors_from_ray_name_the_lost_call():
     from ray.exceptions import ActorDiedError
     from ray.serve.exceptions import BackPressureError, RayServeException
 
-    from omni_ray.serve.serve_stages import stage_error
+    from deployments.stages import stage_error
 
     died = ActorDiedError()
     upstream = RayServeException("Request to deployment 'DiT' failed because an upstream actor died")
@@ -201,7 +201,7 @@ def test_stage_errors_from_ray_name_the_lost_call():
 def test_a_503_carries_retry_after():
     import json
 
-    from omni_ray.serve.http import error_response
+    from deployments.http.bodies import error_response
 
     response = asyncio.run(error_response(None, StageLostError("vae", StageCall.DECODE, retry_after_s=5.0)))
     assert response.status_code == 503 and response.headers["retry-after"] == "5"
@@ -214,11 +214,10 @@ def test_an_image_sent_through_the_handle_to_a_text_to_image_app_is_refused(tiny
 
     from omni_ray.config import load_config
     from omni_ray.errors import RequestError
-    from omni_ray.runners.tokenizer import PromptTokenizer
-    from omni_ray.serve.ingress import Coordinator
+    from testing.coordinator import coordinator as coordinator_over
 
     config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
-    coordinator = Coordinator(FakeStages(), config, PromptTokenizer(config.model).num_tokens)
+    coordinator = coordinator_over(config)
     with pytest.raises(RequestError, match="does not edit images") as info:
         asyncio.run(coordinator.plan({"prompt": "a cat"}, image=b"\x89PNG..."))
     assert info.value.param == "image"

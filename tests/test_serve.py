@@ -721,7 +721,7 @@ def test_a_redeploy_that_restarts_the_dit_under_load_loses_no_request(served, ti
     import yaml
     from ray import serve
 
-    from omni_ray.serve.app import build_app
+    from deployments.app import build_app
 
     preset = yaml.safe_load((REPO / "stage_configs/qwen_image_tiny.yaml").read_text())
     preset["dit"]["max_batch_size"] = 4

@@ -1,5 +1,5 @@
 """Plain `serve run config.yaml` as a newcomer runs it (issue 28), with omni-ray's start-up hook in the `serve run`
-process (omni_ray/serve/run_hook.py): an address file left by a killed cluster does not make it hang, and SIGTERM
+process (deployments/run_hook.py): an address file left by a killed cluster does not make it hang, and SIGTERM
 stops it cleanly."""
 
 import os

@@ -1,4 +1,4 @@
-"""The app builder: ``serve run omni_ray.serve.app:build_app stage_config=... model=...`` or ``serve run
+"""The app builder: ``serve run deployments.app:build_app stage_config=... model=...`` or ``serve run
 config.yaml``."""
 
 from __future__ import annotations
@@ -9,14 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
+from deployments.autoscaling import QueuedWorkPolicy
+from deployments.coordinator import CrossEngineCoordinator
+from deployments.dit import DiT
+from deployments.encoder import Encoder
+from deployments.routing import router_config
+from deployments.vae import VAE
 from omni_ray import checkpoints
 from omni_ray.config import DeploymentConfig, load_config
-from omni_ray.serve.autoscaling import QueuedWorkPolicy
-from omni_ray.serve.coordinator import ServeCoordinator
-from omni_ray.serve.deployments import VAE, DiT, Encoder
-from omni_ray.serve.routing import router_config
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 class AppArgs(BaseModel):
@@ -32,7 +34,8 @@ class AppArgs(BaseModel):
 
 
 def build_app(args: dict) -> Application:
-    """Binds the coordinator to the three stage deployments, each built from its stage config."""
+    """Binds the ``CrossEngineCoordinator`` ingress to the three stage deployments, each built from its stage
+    config. The coordinator's deployment keeps the name ``Coordinator`` (metrics, dashboards and logs name it so)."""
     app_args = AppArgs.model_validate(args)
     config = checkpoints.ensure(load_config(resolve_stage_config(app_args.stage_config), model=app_args.model))
     # A coordinator or DiT replica being replaced (a redeploy, a scale-down) finishes the requests it holds, which
@@ -41,7 +44,7 @@ def build_app(args: dict) -> Application:
     encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
     dit = stage_deployment(DiT, config.dit.deployment, request_router_config=router_config(), **drain).bind(config)
     vae = stage_deployment(VAE, config.vae.deployment).bind(config)
-    return stage_deployment(ServeCoordinator, config.coordinator, name="Coordinator", **drain).bind(
+    return stage_deployment(CrossEngineCoordinator, config.coordinator, name="Coordinator", **drain).bind(
         encoder, dit, vae, config)
 
 

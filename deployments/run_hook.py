@@ -1,5 +1,5 @@
 """What omni-ray adds to Ray Serve's ``serve run`` process, through a ``.pth`` file in site-packages (Python runs its
-``import`` line at every interpreter's start; ``python -m omni_ray.serve.run_hook`` writes it, as ``make install``
+``import`` line at every interpreter's start; ``python -m deployments.run_hook`` writes it, as ``make install``
 and the image do). With a config file ``serve run`` builds the app in a Ray task, never importing omni-ray in its
 own process, so this is the only code of ours that runs there; in any other process ``install`` returns at once,
 having imported nothing.
@@ -21,7 +21,7 @@ import os
 import sys
 
 PTH_NAME = "omni_ray_serve_run.pth"
-PTH_LINE = "import omni_ray.serve.run_hook as hook; hook.install()\n"
+PTH_LINE = "import deployments.run_hook as hook; hook.install()\n"
 
 
 def install() -> None:

@@ -1,4 +1,5 @@
-"""The stage protocol on Serve deployment handles: each stage's result goes to the next stage by reference.
+"""The stage protocol on Serve deployment handles, and the DiT's step stream as it crosses Ray: each stage's result
+goes to the next stage by reference.
 
 A started call's handle is its ``DeploymentResponse``. The next stage receives it as an ``Upstream``: the object
 reference inside a record, so that Ray does not resolve it on the way and the receiving stage resolves it itself.
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import ray
@@ -22,12 +24,12 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
+from deployments.ray_private import object_ref, object_ref_stream
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import LoraEntry
 from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageCall, StageLostError
-from omni_ray.records import Decoded, DenoiseParams, EncodeRequest, OutputMode
-from omni_ray.request_path import DenoiseEvent, Stages, read_step_stream
-from omni_ray.serve.ray_private import object_ref, object_ref_stream
+from omni_ray.records import Decoded, DenoiseParams, EncodeRequest, Finished, Follows, OutputMode, Preview, StepDone
+from omni_ray.request_path import DenoiseEvent, Stages
 
 logger = logging.getLogger("ray.serve")
 
@@ -89,7 +91,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         response = self.dit_calls.estimate.remote(plan.request.priority, plan.work_tokens, plan.steps_run,
                                                   plan.request.n)
         try:
-            return await asyncio.wait_for(_result(response), timeout_s)
+            return await asyncio.wait_for(_awaited(response), timeout_s)
         except Exception as err:
             cancel(response)
             logger.warning("no estimate from the DiT (%s: %s): the request is admitted", type(err).__name__, err)
@@ -127,7 +129,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         stream = dit.denoise.remote(request_id, params, *inputs, **masked)
         try:
             # Steps are fetched (they are small); previews and latents stay references, for the VAE to read.
-            async for event in read_step_stream(await object_ref_stream(stream), _fetch):
+            async for event in read_step_stream(await object_ref_stream(stream), _awaited):
                 yield event
         except Exception as err:
             cancel(stream)
@@ -152,12 +154,9 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         cancel(handle)
 
 
-async def _result(response: DeploymentResponse):
+async def _awaited(response: DeploymentResponse | ray.ObjectRef):
+    """The value, as a coroutine (what ``asyncio.wait_for`` takes)."""
     return await response
-
-
-async def _fetch(ref: ray.ObjectRef):
-    return await ref
 
 
 async def _upstream(response: DeploymentResponse, stage: str, call: StageCall) -> Upstream:
@@ -166,3 +165,29 @@ async def _upstream(response: DeploymentResponse, stage: str, call: StageCall) -
         return Upstream(stage, call, await object_ref(response))
     except Exception as err:
         raise stage_error(err, stage, call) from None
+
+
+# --- the DiT's step stream over Ray --------------------------------------------------------------------------------
+
+
+async def write_step_stream(items: AsyncIterator[DenoiseEvent]) -> AsyncIterator[Any]:
+    """The DiT's typed stream as the deployment yields it: each ``StepDone``, then a preview's or the result's payload
+    unwrapped, each its own object, so that the caller can pass the payload on by reference without fetching it."""
+    async for item in items:
+        yield item if isinstance(item, StepDone) else item.result
+
+
+async def read_step_stream(
+    items: AsyncIterator[Any], fetch: Callable[[Any], Awaitable[Any]]
+) -> AsyncIterator[DenoiseEvent]:
+    """``write_step_stream``'s items read back into typed ones. ``fetch`` reads a ``StepDone`` (an object
+    reference's value); the payloads are never fetched, only wrapped, so a large result stays where it is."""
+    async for item in items:
+        step: StepDone = await fetch(item)
+        yield step
+        if step.follows is Follows.PREVIEW:
+            yield Preview(await anext(items))
+        elif step.follows is Follows.RESULT:
+            yield Finished(await anext(items))
+            return
+    raise EngineError("the stream ended before its result")

@@ -1,0 +1,328 @@
+"""The CrossEngineCoordinator: the app's ingress deployment, where every request's way through the app starts.
+
+For each request it
+1. checks the caller's API key and that the preset serves the route (``authorize``, ``check_route``);
+2. reads the body, and decodes and resizes an edit's images off the event loop, a few requests at a time;
+3. plans it once: validated, sizes resolved, seeds assigned, true CFG decided (``api.planning.plan_request``);
+4. admits it, or refuses it at once (503, ``Retry-After``) when the DiT would finish it past its deadline;
+5. runs it on the one request path (``request_path.run_request``, shared with the in-process pipeline): the
+   stages chained by reference over ``deployments.stages.ServeStages``, ``n`` images fanned out, lost stage calls
+   issued again, the deadline kept, every stage call cancelled when the caller goes away;
+6. and views the request's event stream: a JSON response drains it, server-sent events forward it, handle callers
+   get either.
+
+Image files are written, base64-encoded and serialised on threads, never on the event loop. Serve builds one per
+coordinator replica over the stage deployments' handles; ``CrossEngineCoordinator.over`` builds the same class over
+any ``Stages`` (fakes in tests), whose routes then run under starlette's ``TestClient``. Every ``/v1/...`` route
+first checks the API key; ``/``, ``/web/...`` and ``/health`` are open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments import metrics
+from deployments.http import bodies
+from deployments.http.adapters import Adapters, AdapterStore, ClusterAdapters
+from deployments.http.api_keys import ApiKeys
+from deployments.http.page import WEB_FILES, page_html
+from deployments.http.routes import build_api
+from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
+from deployments.stages import ServeStages
+from omni_ray.api.images import load_input_images, load_masked_input, write_image_file
+from omni_ray.api.planning import GenerationPlan, check_route, plan_request, resolve_size
+from omni_ray.api.responses import (
+    completed_event,
+    error_body,
+    image_stats,
+    images_response,
+    json_bytes,
+    partial_image_event,
+    progress_event,
+)
+from omni_ray.api.schema import ImageGenerationRequest, parse_request
+from omni_ray.config import EditConfig, PipelineConfig
+from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError, RequestError
+from omni_ray.records import Decoded
+from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
+from omni_ray.runners.tokenizer import PromptTokenizer
+
+logger = logging.getLogger("ray.serve")
+MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each may take seconds and 100s of MB
+COORDINATOR = {"stage": "coordinator"}  # the metrics' stage label
+
+
+class CrossEngineCoordinator:
+    """Plans requests, admits them, runs them across the stage engines and views their event streams: JSON,
+    server-sent events, or records for handle callers."""
+
+    def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
+        """Serve builds one in each coordinator replica, over the stage deployments' handles (``app.build_app``),
+        with the app's run-time adapters in the cluster's key-value store and the API keys of its process's
+        ``OMNI_RAY_API_KEY``; it watches its own event loop and collects garbage when idle."""
+        self._setup(ServeStages(encoder, dit, vae), config, ClusterAdapters(serve.get_replica_context().app_name),
+                    ApiKeys.from_env(), _deployments_without_replicas)
+        # Serve runs the constructor on the event loop that serves the requests: the one to watch.
+        loop = asyncio.get_running_loop()
+        self.watch = loop.create_task(_watch_event_loop())
+        self.collect = loop.create_task(collect_when_idle(lambda: (self.in_flight, self.served)))
+        freeze_startup_heap()
+
+    @classmethod
+    def over(cls, stages: Stages, config: PipelineConfig, adapters: AdapterStore, api_keys: ApiKeys | None = None,
+             unready: Callable[[], list[str]] = list) -> CrossEngineCoordinator:
+        """The same coordinator outside Serve, over any stage protocol; ``unready()`` names the deployments without
+        a running replica (none: ``/health`` is ok). An instance of the plain class: Serve's ingress wrapper around it
+        has an asynchronous constructor and finaliser of Serve's own."""
+        coordinator = object.__new__(_PlainCoordinator)
+        coordinator._setup(stages, config, adapters, api_keys or ApiKeys(), unready)
+        return coordinator
+
+    def _setup(self, stages: Stages, config: PipelineConfig, adapters: AdapterStore, api_keys: ApiKeys,
+               unready: Callable[[], list[str]]) -> None:
+        self.stages = stages
+        self.config = config
+        self.tokenizer = PromptTokenizer(config.model, config.prompt_template)  # counts a prompt's tokens
+        self.adapters = Adapters(config, adapters, started=int(time.time()))
+        self.api_keys = api_keys
+        self.unready = unready
+        self.page_html = page_html(config, api_key=api_keys.required)
+        self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
+        self.in_flight = 0  # requests whose events are being produced
+        self.served = 0  # requests that ended, however
+        if api_keys.required:
+            logger.info("API keys are on: /v1/... routes take `Authorization: Bearer <key>`")
+        else:
+            logger.warning("OMNI_RAY_API_KEY is not set: anyone who reaches this port can use every route")
+
+    # --- routes (attached by http.routes.build_api) --------------------------------------------------------------
+
+    async def generations(self, request: Request) -> Response:
+        with self._counting_errors():
+            tenant = self.authorize(request)
+            check_route(self.config, has_image=False)  # before the body: a wrong route is told which is right
+            body = await bodies.json_body(request)
+        return await self.respond(await self.plan(body, tenant=tenant), request)
+
+    async def edits(self, request: Request) -> Response:
+        with self._counting_errors():
+            tenant = self.authorize(request)
+            if self.config.edit is None and not request.headers.get("content-type", "").startswith("multipart/"):
+                check_route(self.config, has_image=True)  # no upload at all: told which route is right
+            edit = self.config.edit or EditConfig()  # a text-to-image preset takes one image and a mask to inpaint
+            limit = bodies.MAX_BODY_BYTES + (edit.max_images + 1) * edit.max_image_bytes  # the images and a mask
+            fields, images, mask = await bodies.edit_form(request, limit, edit.max_images)
+            body = parse_request(fields, form=True)
+        return await self.respond(await self.plan(body, images, tenant, mask), request)  # []: "image: required"
+
+    async def page(self) -> HTMLResponse:
+        """The try-it page: a form over the images API with live previews (``http/web``)."""
+        return HTMLResponse(self.page_html)
+
+    async def web_file(self, name: str) -> Response:
+        if name not in WEB_FILES:
+            raise NotFoundError(f"no such file: {name}", param=None, code=None)
+        kind, data = WEB_FILES[name]
+        return Response(data, media_type=kind, headers={"Cache-Control": "no-cache"})
+
+    async def models(self, request: Request) -> dict:
+        self.authorize(request)
+        return await self.adapters.model_list()
+
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        with self._counting_errors():
+            self.authorize(request)
+            return JSONResponse(await self.adapters.load(request, self.stages))
+
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        with self._counting_errors():
+            self.authorize(request)
+            return JSONResponse(await self.adapters.unload(request))
+
+    async def health(self) -> JSONResponse:
+        """200 once every deployment of the app has a running replica, else 503 naming those without one (still
+        starting, or all lost): the ingress alone answering does not mean a request can be served."""
+        waiting = await asyncio.to_thread(self.unready)
+        if waiting:
+            return JSONResponse({"status": "unavailable", "waiting_for": waiting}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    # --- handle callers: the same views, by method ------------------------------------------------------------
+
+    async def generate(
+        self, body: dict | ImageGenerationRequest, request_id: str | None = None,
+        image: bytes | Sequence[bytes] | None = None, mask: bytes | None = None,
+    ) -> dict:
+        """The images response for an OpenAI-style body (and for an edit the input image file, or a list of
+        them, and a mask), as HTTP gets it."""
+        return await self.json_response(await self.plan(body, image, mask=mask), request_id or uuid.uuid4().hex)
+
+    async def generate_stream(
+        self, body: dict | ImageGenerationRequest, request_id: str | None = None,
+        image: bytes | Sequence[bytes] | None = None, mask: bytes | None = None,
+    ) -> AsyncIterator[dict]:
+        """The streamed events, as server-sent events carry them (``handle.options(stream=True)``)."""
+        async for event in self.sse_events(await self.plan(body, image, mask=mask), request_id or uuid.uuid4().hex):
+            yield event
+
+    # --- the one path and its views -----------------------------------------------------------------------------
+
+    async def respond(self, plan: GenerationPlan, request: Request) -> Response:
+        """JSON, or server-sent events when the request streams."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"x-request-id": request_id}
+        if plan.request.stream:
+            return StreamingResponse(bodies.sse(self.sse_events(plan, request_id)), media_type="text/event-stream",
+                                     headers=headers)
+        body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
+        return Response(body, media_type="application/json", headers=headers)
+
+    async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
+                   tenant: str | None = None, mask: bytes | None = None) -> GenerationPlan:
+        """Validates before any stage sees the request, and admits it when the DiT's queue can finish it before its
+        deadline; an edit's images (one file, or a list) and mask are decoded and resized off the event loop, a few
+        requests at a time. ``tenant`` (the caller's API key's name) replaces the body's ``user`` as whom the DiT
+        shares its steps between."""
+        with self._counting_errors():
+            inputs = None
+            files = [bytes(image)] if isinstance(image, (bytes, bytearray, memoryview)) else \
+                [bytes(item) for item in image] if image is not None else None
+            if files is not None:
+                check_route(self.config, has_image=True, has_mask=mask is not None)  # before decoding anything
+            if mask is not None:
+                request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
+                size = resolve_size(request, self.config)  # text-to-image inpainting's output size
+                if len(files or ()) > 1:
+                    raise RequestError("image: a masked edit takes one image", param="image")
+                async with self.image_slots:
+                    inputs = await asyncio.to_thread(load_masked_input, files[0] if files else b"", mask,
+                                                     self.config, size)
+                body = request
+            elif files is not None and self.config.edit is not None:
+                async with self.image_slots:
+                    inputs = await asyncio.to_thread(load_input_images, files, self.config)
+            plan = plan_request(body, self.config, self.tokenizer.num_tokens, inputs,
+                                await self.adapters.for_request(body), has_image=image is not None)
+            if tenant is not None:
+                plan = dataclasses.replace(plan, tenant=tenant)
+            await self._admit(plan)
+            return plan
+
+    async def _admit(self, plan: GenerationPlan) -> None:
+        """Refuses at once (503, Retry-After) a request that the DiT's queue would finish past its deadline, from
+        the replica's estimate of the work ahead of it (as urgent or more) and its own."""
+        estimate = await self.stages.estimate(plan)
+        if estimate is None:
+            return
+        metrics.finish_estimate.observe(estimate, tags=COORDINATOR)
+        if estimate > plan.timeout_s:
+            raise OverloadedError(
+                f"the DiT would finish this request in about {estimate:.0f} s, past its {plan.timeout_s:g} s deadline "
+                "(timeout)", retry_after_s=estimate - plan.timeout_s, stage="dit")
+
+    async def events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[RequestEvent]:
+        """The request's event stream over the stages, counted and logged."""
+        start = time.perf_counter()
+        self.in_flight += 1
+        try:
+            async for event in run_request(self.stages, plan, request_id, self.config.requests):
+                if isinstance(event, Failed):
+                    _count_failure(event.error)
+                    logger.warning("request %s failed: %s", request_id, event.error)
+                    yield event
+                    return
+                yield event
+        finally:
+            self.in_flight -= 1
+            self.served += 1
+        seconds = time.perf_counter() - start
+        metrics.request_latency.observe(seconds, tags=COORDINATOR)
+        metrics.images_generated.inc(plan.request.n, tags=COORDINATOR)
+        logger.info("request %s: %d image(s) in %.0f ms", request_id, plan.request.n, 1000 * seconds)
+
+    async def json_response(self, plan: GenerationPlan, request_id: str) -> dict:
+        results = await collect(self.events(plan, request_id))
+        files = await asyncio.gather(*(_image_file(result, plan.request) for result in results))
+        stats = [image_stats(result.timings, result.dit_passes) for result in results]
+        return await asyncio.to_thread(images_response, files, plan, stats)
+
+    async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
+        """Each image's previews and the image as it is done, or one error event; with ``progress``, progress after
+        every denoising step."""
+        async for event in self.events(plan, request_id):
+            if isinstance(event, Progress):
+                if plan.request.progress:
+                    yield progress_event(plan, event.index, event.step, event.total)
+            elif isinstance(event, ImagePreview):
+                data = await _image_file(event.result, plan.request)
+                yield await asyncio.to_thread(partial_image_event, plan, event.index, event.partial_index, data)
+            elif isinstance(event, ImageDone):
+                data = await _image_file(event.result, plan.request)
+                result = event.result
+                stats = image_stats(result.timings, result.dit_passes) if plan.request.timings else None
+                yield await asyncio.to_thread(completed_event, plan, event.index, data, stats)
+            else:
+                yield {"type": "error", **error_body(event.error)}
+
+    def authorize(self, request: Request) -> str | None:
+        """The name of the API key the request carries (None when the server takes none); raises
+        AuthenticationError (401) unless it carries one of the server's keys."""
+        return self.api_keys.check(request.headers.get("authorization"))
+
+    @contextlib.contextmanager
+    def _counting_errors(self) -> Iterator[None]:
+        """Counts the OmniRayError that leaves the block: a request refused before its stream starts (a failed
+        stream is counted where its error event passes)."""
+        try:
+            yield
+        except OmniRayError as err:
+            _count_failure(err)
+            raise
+
+
+_PlainCoordinator = CrossEngineCoordinator
+# Wrapped where it is defined, under its own name, so that Serve pickles the deployment by reference (a few bytes)
+# rather than the class and its FastAPI app by value (tens of KB, past Ray's inline limit into the object store).
+CrossEngineCoordinator = serve.ingress(build_api(CrossEngineCoordinator))(CrossEngineCoordinator)
+
+
+async def _image_file(result: Decoded, request: ImageGenerationRequest) -> bytes:
+    """The image file of one result, written on a thread (a large PNG takes a good part of a second)."""
+    return await asyncio.to_thread(write_image_file, result.pixels, request.output_format, request.output_compression)
+
+
+def _count_failure(err: OmniRayError) -> None:
+    metrics.errors.inc(tags={**COORDINATOR, "type": type(err).__name__})
+
+
+def _deployments_without_replicas() -> list[str]:
+    app = serve.status().applications[serve.get_replica_context().app_name]
+    return sorted(name for name, deployment in app.deployments.items() if not deployment.replica_states.get("RUNNING"))
+
+
+async def _watch_event_loop() -> None:
+    """The event loop's stalls and its thread's waits for a CPU (``watch_event_loop``), and the replica process's
+    CPU time, into Prometheus."""
+    cpu = time.process_time()
+
+    def observe(stall_s: float, cpu_wait_s: float) -> None:
+        nonlocal cpu
+        metrics.event_loop_stall.observe(stall_s, tags=COORDINATOR)
+        metrics.event_loop_cpu_wait.observe(cpu_wait_s, tags=COORDINATOR)
+        now = time.process_time()
+        if now > cpu:  # Ray's counters refuse 0
+            metrics.process_cpu.inc(now - cpu, tags=COORDINATOR)
+            cpu = now
+
+    await watch_event_loop(observe)

@@ -1,0 +1,163 @@
+"""The LoRA adapters loaded at run time, kept where every coordinator replica reads them, and the routes that load,
+unload and list them.
+
+A replica that took ``POST /v1/load_lora_adapter`` is one of several, and may be replaced at any time; the adapters
+it added must be served by all of them from the moment the call returns, and by their replacements. The store is
+asked on every request that names an adapter the preset does not have: in the app, Ray's GCS key-value store
+(``ClusterAdapters``, as long as the cluster lives; with GCS fault tolerance, its restarts too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+from fastapi import Request
+
+from deployments import ray_private
+from deployments.http import bodies
+from omni_ray.api.schema import ImageGenerationRequest
+from omni_ray.config import LoraEntry, PipelineConfig
+from omni_ray.errors import ForbiddenError, NotFoundError, RequestError
+from omni_ray.request_path import Stages
+
+logger = logging.getLogger("ray.serve")
+ADAPTER_NAME = re.compile(r"[\w.:-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A run-time adapter: its file, resolved by the DiT that checked it (never sent to a client), when it was
+    added (``/v1/models``' ``created``), and the sampling recipe found beside it."""
+
+    path: str
+    created: int  # Unix seconds
+    recipe: dict | None = None  # config.SamplingRecipe's fields
+
+    @property
+    def entry(self) -> LoraEntry:
+        """What planning reads: the file and its recipe."""
+        return LoraEntry(path=self.path, recipe=self.recipe)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Adapter:
+        return cls(**json.loads(data))
+
+
+class AdapterStore(ABC):
+    """Adapters by name, shared by every coordinator replica of one app."""
+
+    @abstractmethod
+    async def get(self, name: str) -> Adapter | None: ...
+
+    @abstractmethod
+    async def all(self) -> dict[str, Adapter]: ...
+
+    @abstractmethod
+    async def add(self, name: str, adapter: Adapter) -> bool:
+        """Adds ``name`` unless it is taken; whether it was added (one of two racing loads wins)."""
+
+    @abstractmethod
+    async def remove(self, name: str) -> bool:
+        """Whether ``name`` was there."""
+
+
+class ClusterAdapters(AdapterStore):
+    """The app's run-time adapters in the GCS's key-value store, which every replica reads and which outlives them
+    (as long as the cluster lives; with GCS fault tolerance, its restarts too)."""
+
+    NAMESPACE = "omni_ray_adapters"
+
+    def __init__(self, app_name: str):
+        self.prefix = f"{app_name}/"
+
+    async def get(self, name: str) -> Adapter | None:
+        data = await ray_private.kv_get(self.prefix + name, self.NAMESPACE)
+        return Adapter.from_json(data) if data is not None else None
+
+    async def all(self) -> dict[str, Adapter]:
+        items = await ray_private.kv_items(self.prefix, self.NAMESPACE)
+        return {key.removeprefix(self.prefix): Adapter.from_json(value) for key, value in items.items()}
+
+    async def add(self, name: str, adapter: Adapter) -> bool:
+        return await ray_private.kv_add(self.prefix + name, adapter.to_json(), self.NAMESPACE)
+
+    async def remove(self, name: str) -> bool:
+        return await ray_private.kv_delete(self.prefix + name, self.NAMESPACE)
+
+
+class Adapters:
+    """The models a request may name: the base model, the preset's adapters (``loras``) and the run-time ones in
+    ``store``; and loading and unloading run-time ones where the preset allows it (``lora.allow_runtime_updates``)."""
+
+    def __init__(self, config: PipelineConfig, store: AdapterStore, started: int):
+        self.config, self.store = config, store
+        self.started = started  # `created` of the base model and the preset's adapters
+
+    async def for_request(self, body: dict | ImageGenerationRequest) -> dict[str, LoraEntry]:
+        """The adapter the request's ``model`` names (name -> its file and recipe), when it names one that exists;
+        else every adapter, for the 404 to list."""
+        if not isinstance(body, (dict, ImageGenerationRequest)):
+            return {}  # not a JSON object: planning refuses it
+        name = body.model if isinstance(body, ImageGenerationRequest) else body.get("model")
+        if not isinstance(name, str) or name == self.config.name:
+            return {}
+        if name in self.config.loras:
+            return {name: self.config.loras[name]}
+        if (adapter := await self.store.get(name)) is not None:
+            return {name: adapter.entry}
+        return {**self.config.loras, **{name: a.entry for name, a in (await self.store.all()).items()}}
+
+    async def model_list(self) -> dict:
+        """OpenAI's model list: the base model, then each LoRA adapter (``parent``: the base it adapts, as vLLM
+        lists them)."""
+        base = {"id": self.config.name, "object": "model", "created": self.started, "owned_by": "omni-ray"}
+        adapters = {name: self.started for name in self.config.loras}
+        adapters.update({name: adapter.created for name, adapter in sorted((await self.store.all()).items())})
+        return {"object": "list", "data": [base, *({"id": name, "object": "model", "created": created,
+                                                    "owned_by": "omni-ray", "parent": self.config.name}
+                                                   for name, created in adapters.items())]}
+
+    async def load(self, request: Request, stages: Stages) -> dict:
+        """Adds an adapter (``{"lora_name", "lora_path"}``) once a DiT replica has found the file under
+        ``lora.roots`` and fitting the transformer; a path outside the roots or a broken file is a 400 naming
+        ``lora_path`` and changes nothing. Every coordinator replica serves it once this returns."""
+        self._check_runtime_updates()
+        body = await bodies.json_object(request, ("lora_name", "lora_path"))
+        name, path = body["lora_name"], body["lora_path"]
+        if not ADAPTER_NAME.fullmatch(name) or name == self.config.name:
+            raise RequestError(f"lora_name: {name!r} must be letters, digits, '_', '.', ':' or '-', and not the "
+                               "base model's name", param="lora_name")
+        taken = RequestError(f"lora_name: {name!r} is already loaded; unload it first", param="lora_name")
+        if name in self.config.loras or await self.store.get(name) is not None:
+            raise taken
+        entry = await stages.check_lora(path)
+        recipe = entry.recipe.model_dump() if entry.recipe is not None else None
+        if not await self.store.add(name, Adapter(entry.path, int(time.time()), recipe)):
+            raise taken  # another load of the name won meanwhile
+        logger.info("LoRA adapter %r added from %s%s", name, entry.path, " with its recipe" if recipe else "")
+        return {"lora_name": name, "status": "loaded"}
+
+    async def unload(self, request: Request) -> dict:
+        """Removes a run-time adapter (``{"lora_name"}``): requests naming it get a 404 from now on, on every
+        coordinator replica; each DiT replica frees its slot when it needs the room."""
+        self._check_runtime_updates()
+        name = (await bodies.json_object(request, ("lora_name",)))["lora_name"]
+        if name in self.config.loras:
+            raise RequestError(f"lora_name: {name!r} comes from the preset (loras); remove it there", param="lora_name")
+        if not await self.store.remove(name):
+            raise NotFoundError(f"lora_name: no adapter {name!r} is loaded", param="lora_name")
+        logger.info("LoRA adapter %r removed", name)
+        return {"lora_name": name, "status": "unloaded"}
+
+    def _check_runtime_updates(self) -> None:
+        if not self.config.lora.allow_runtime_updates:
+            raise ForbiddenError("loading and unloading adapters at run time is off on this server (the preset's "
+                                 "lora.allow_runtime_updates)", param=None)

@@ -1,0 +1,106 @@
+"""What every stage deployment is: a shim that starts its engine and turns each call into one request in it.
+
+A stage's input from another stage arrives as an ``Upstream`` (a reference the coordinator passed on without
+reading it), which the shim resolves itself: an input lost with another replica raises ``StageLostError`` naming
+that call, so the request path issues exactly that call again. One module per stage: ``encoder``, ``dit``, ``vae``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import ray
+import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
+
+from deployments import metrics
+from deployments.process import freeze_startup_heap
+from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.records import Finished
+
+logger = logging.getLogger("ray.serve")
+
+
+class StageDeployment:
+    """What every stage deployment does besides its one call: start, health, shutdown."""
+
+    stage = ""
+
+    def __init__(self, build_core):
+        self.tags = {"stage": self.stage}
+        self.last_step_at = 0.0  # monotonic
+        self.engine = AsyncEngine(build_core, self.stage, on_step=self._record_step).start()
+        logger.info("%s engine started", self.stage)
+        threading.Thread(target=self._keep_gauges_fresh, name=f"omni-ray-{self.stage}-gauges", daemon=True).start()
+        freeze_startup_heap()
+
+    def _record_step(self, seconds: float, batch: int, held: int) -> None:
+        self.last_step_at = time.monotonic()
+        metrics.step_latency.observe(seconds, tags=self.tags)
+        metrics.running_batch_size.set(batch, tags=self.tags)
+        metrics.queue_length.set(held, tags=self.tags)
+
+    def _keep_gauges_fresh(self, period_s: float = 1.0) -> None:
+        """Ray 2.60 exports a gauge for about two seconds after it was set: an idle stage would read "no data" on a
+        dashboard. Once a second without a step, this sets what the stage holds and 0 for the batch."""
+        while True:
+            time.sleep(period_s)
+            if time.monotonic() - self.last_step_at >= period_s:
+                metrics.running_batch_size.set(0, tags=self.tags)
+                metrics.queue_length.set(self.engine.num_running, tags=self.tags)
+                self._idle_gauges()
+
+    def _idle_gauges(self) -> None:
+        """A stage's own gauges, set again while it does not step."""
+
+    async def _run(self, request, what: str, timings: dict[str, float], timing: str = ""):
+        """Runs one request in this engine: timed (into the result's ``timings``, as ``timing`` or the stage's
+        name, and the part of it the request queued before its first step as ``<name>_queued``), counted, logged
+        under its id."""
+        result = None
+        async for item in self._stream(request, what, timings, timing):
+            result = item.result
+        return result
+
+    async def _stream(self, request, what: str, timings: dict[str, float], timing: str = "") -> AsyncIterator:
+        """As ``_run``, yielding the engine's typed stream: ``StepDone`` and ``Preview`` items, then ``Finished``."""
+        start = time.perf_counter()
+        name = timing or self.stage
+        queued = {}
+        try:
+            async for item in self.engine.stream(request, on_start=lambda s: queued.update({f"{name}_queued": s})):
+                if isinstance(item, Finished):
+                    seconds = time.perf_counter() - start
+                    metrics.stage_request_latency.observe(seconds, tags=self.tags)
+                    logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
+                    item.result.timings = {**timings, name: seconds, **queued}
+                yield item
+        except Exception as err:
+            metrics.errors.inc(tags={**self.tags, "type": type(err).__name__})
+            logger.warning("request %s: %s failed: %s", request.request_id, self.stage, err)
+            raise
+
+    def check_health(self) -> None:
+        """Serve restarts the replica when this raises: the engine loop died or one step hangs."""
+        self.engine.check_health()
+
+    def stats(self) -> dict:
+        """Counters of the engine: requests it took, aborted, still running; steps it ran; and the Ray node the
+        replica runs on."""
+        engine = self.engine
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "requests": engine.num_requests,
+            "aborted": engine.num_aborted,
+            "running": engine.num_running,
+            "steps": engine.num_steps,
+        }
+
+    def __del__(self) -> None:
+        # Serve calls this on graceful shutdown; it stops the loop and shuts the core down (vLLM's included, which
+        # otherwise leaves a /tmp/vllm_dist_* file behind per replica).
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
