@@ -56,7 +56,7 @@ from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError, RequestError
 from omni_ray.records import Decoded
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
-from omni_ray.runners.tokenizer import PromptTokenizer
+from omni_ray.tokenizer import PromptTokenizer
 
 logger = logging.getLogger("ray.serve")
 MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each may take seconds and 100s of MB

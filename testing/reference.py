@@ -35,12 +35,14 @@ from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from omni_ray.config import EditConfig, PipelineConfig
+from omni_ray.engine.encoder_core import to_prompt_embeds
 from omni_ray.qwen_image import TEXT_TO_IMAGE, PromptTemplate, uses_true_cfg
 from omni_ray.records import DenoiseParams, PromptEmbeds
 from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner, DenoiseState
-from omni_ray.runners.tokenizer import PromptTokenizer, to_prompt_embeds
 from omni_ray.runners.transformers_encoder import last_hidden_states
+from omni_ray.runners.vision import VisionInputs
+from omni_ray.tokenizer import PromptTokenizer
 
 
 class UnfusedDenoiseRunner(DenoiseRunner):
@@ -211,6 +213,7 @@ class PromptEncoder:
         template: PromptTemplate = TEXT_TO_IMAGE,
     ):
         self.tokenizer = PromptTokenizer(model, template)
+        self.vision = VisionInputs(model) if template.has_image else None
         self.text_encoder = TransformersTextEncoder(model, dtype, device)
         self.max_sequence_length = max_sequence_length
 
@@ -220,8 +223,8 @@ class PromptEncoder:
         if not images:
             hidden = self.text_encoder(token_ids, self.tokenizer.pad_token_id)
         else:
-            vision = self.tokenizer.vision_inputs(images)
-            counts = [self.tokenizer.image_tokens(*image.shape[:2]) for image in images]
+            vision = self.vision(images)
+            counts = self.vision.tokens(vision)
             hidden = [
                 self.text_encoder([self.tokenizer.expand_images(ids, counts)], self.tokenizer.pad_token_id, vision)[0]
                 for ids in token_ids

@@ -26,7 +26,7 @@ def reduced(tmp_path_factory):
 def test_the_dummy_checkpoint_has_the_configs_and_a_tokenizer_with_qwen_s_ids_but_no_weights(reduced):
     from transformers import AutoTokenizer
 
-    from omni_ray.runners.tokenizer import PromptTokenizer
+    from omni_ray.tokenizer import PromptTokenizer
 
     assert not list(reduced.rglob("*.safetensors"))
     assert json.loads((reduced / "transformer/config.json").read_text())["num_layers"] == 1

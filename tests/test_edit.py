@@ -206,8 +206,28 @@ def test_an_oversized_image_is_a_413(config):
     assert info.value.param == "image" and info.value.status_code == 413
 
 
+def test_image_tokens_counted_without_torch_are_qwen_vl_processors(edit_dir):
+    """The coordinator counts an image's vision tokens without torch (``qwen_image.VisionPatches``): the same counts
+    as Qwen2.5-VL's image processor, for the checkpoint's settings and for a file with min_pixels and max_pixels."""
+    from transformers import AutoImageProcessor, Qwen2VLImageProcessor
+
+    from omni_ray.qwen_image import VisionPatches
+    from omni_ray.tokenizer import PromptTokenizer
+
+    sides = (10, 28, 56, 96, 100, 160, 384, 1000, 1328, 4000)
+    sizes = [(h, w) for h in sides for w in sides if max(h, w) / min(h, w) < 200]  # the processor's own limit
+    processor = AutoImageProcessor.from_pretrained(str(edit_dir), subfolder="processor")
+    tokenizer = PromptTokenizer(str(edit_dir), EDIT)
+    bounded = {"min_pixels": 256 * 28 * 28, "max_pixels": 1024 * 28 * 28, "patch_size": 14, "merge_size": 2}
+    other = Qwen2VLImageProcessor(**bounded)
+    for count, reference in ((tokenizer.image_tokens, processor), (VisionPatches.from_config(bounded).tokens, other)):
+        got = [count(h, w) for h, w in sizes]
+        assert got == [reference.get_number_of_image_patches(h, w, {}) // 4 for h, w in sizes]
+    assert len(set(got)) > 10  # the bounds and the rounding at work
+
+
 def test_edit_plans_take_form_fields_and_count_the_image_tokens(config, edit_dir):
-    from omni_ray.runners.tokenizer import PromptTokenizer
+    from omni_ray.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(str(edit_dir), EDIT)
     pixels = load_input_image(png(source_image(180, 100, 0)), config)

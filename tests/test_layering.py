@@ -114,9 +114,23 @@ def test_loading_every_preset_writes_nothing(tmp_path):
     assert result.stdout.strip() == "[]"
 
 
-def test_the_coordinator_replica_loads_no_model_code():
-    """A coordinator replica imports its class's module: the tokenizer, but no diffusers, vLLM or model classes."""
-    result = _run_blocking(("diffusers", "vllm"), "import deployments.coordinator\n"
-                           "print(sorted(m for m in sys.modules if m.startswith('omni_ray.runners')))")
+def test_a_coordinator_replica_loads_no_torch(tiny_dir, edit_dir):
+    """What a coordinator replica imports (its class's module) and runs (planning a request, which counts the
+    prompt's tokens and an edit's image tokens), with torch, diffusers and vLLM unavailable."""
+    code = (
+        "import asyncio, io, numpy as np\n"
+        "from PIL import Image\n"
+        "import deployments.coordinator\n"
+        "from omni_ray.config import load_config\n"
+        "from testing.coordinator import coordinator\n"
+        f"text = coordinator(load_config('stage_configs/qwen_image_tiny.yaml', model={str(tiny_dir)!r}))\n"
+        "plan = asyncio.run(text.plan({'prompt': 'a red cat'}))\n"
+        f"edit = coordinator(load_config('stage_configs/qwen_image_edit_tiny.yaml', model={str(edit_dir)!r}))\n"
+        "png = io.BytesIO(); Image.fromarray(np.zeros((100, 180, 3), np.uint8)).save(png, format='PNG')\n"
+        "edited = asyncio.run(edit.plan({'prompt': 'make it red'}, png.getvalue()))\n"
+        "print(plan.input_tokens.text > 0, edited.input_tokens.image > 0)\n"
+    )
+    result = _run_blocking(("torch", "diffusers", "vllm"), code)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert eval(result.stdout) == ["omni_ray.runners", "omni_ray.runners.tokenizer"]
+    assert result.stdout.split() == ["True", "True"]
+

@@ -15,7 +15,7 @@ from PIL import Image
 
 from omni_ray.config import load_config
 from omni_ray.errors import OverloadedError
-from omni_ray.runners.tokenizer import PromptTokenizer
+from omni_ray.tokenizer import PromptTokenizer
 from testing.coordinator import client
 from testing.fake_stages import FakeStages
 from testing.openai_api import conforms, event_kind, schema_errors

@@ -137,7 +137,7 @@ class FakeEncoder:
 def test_a_refused_text_leaves_nothing_behind_and_a_failed_step_spares_cached_requests(tiny_dir):
     from omni_ray.engine.encoder_core import EncoderEngineCore
     from omni_ray.engine.output import StepError
-    from omni_ray.runners.tokenizer import PromptTokenizer
+    from omni_ray.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(str(tiny_dir))
     refused = min(set(tokenizer.tokenize("zebra")) - set(tokenizer.tokenize("a cat a dog")))  # only zebra's

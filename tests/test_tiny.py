@@ -161,7 +161,7 @@ VLLM_LOAD = textwrap.dedent(
 
 def test_text_encoder_loads_in_vllm(tiny_dir, tmp_path):
     """vLLM (its own process: it binds threads for the whole process) loads text_encoder/ and agrees with transformers."""
-    from omni_ray.runners.tokenizer import PromptTokenizer
+    from omni_ray.tokenizer import PromptTokenizer
     from testing.reference import TransformersTextEncoder
 
     tokenizer = PromptTokenizer(str(tiny_dir))

@@ -15,9 +15,9 @@ from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
-from omni_ray.runners.tokenizer import PromptTokenizer
 from omni_ray.runners.transformers_encoder import TransformersEncoder
 from omni_ray.runners.vllm_encoder import VllmEncoder
+from omni_ray.tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 

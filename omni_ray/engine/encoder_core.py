@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.prompt_cache import PromptCache
+from omni_ray.qwen_image import PromptTemplate
 from omni_ray.records import EncodedPrompt, EncodeRequest, PromptEmbeds
-from omni_ray.runners.tokenizer import PromptTokenizer, to_prompt_embeds
+from omni_ray.tokenizer import PromptTokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceEncoder(Protocol):
@@ -143,3 +147,12 @@ class EncoderEngineCore:
 
     def shutdown(self) -> None:
         self.encoder.shutdown()
+
+
+def to_prompt_embeds(hidden: torch.Tensor, template: PromptTemplate, max_sequence_length: int) -> PromptEmbeds:
+    """Drops the template's system tokens from one sequence's last hidden state ``[num_tokens, hidden]``, as
+    diffusers' ``encode_prompt`` does (text to image also cuts at ``max_sequence_length``)."""
+    hidden = hidden[template.drop :]
+    if template.truncates:
+        hidden = hidden[:max_sequence_length]
+    return PromptEmbeds(hidden.detach().cpu().contiguous())

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_ray.runners.tokenizer import PromptTokenizer
+from omni_ray.runners.vision import VisionInputs
+from omni_ray.tokenizer import PromptTokenizer
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class TransformersEncoder:
         else:
             self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
         self.tokenizer = tokenizer
+        self.vision = VisionInputs(model) if tokenizer.template.has_image else None
         self.max_num_seqs = max_num_seqs
         self.waiting: OrderedDict[str, _Sequence] = OrderedDict()
 
@@ -58,9 +60,8 @@ class TransformersEncoder:
         first_id, first = next(iter(self.waiting.items()))
         if first.images:
             del self.waiting[first_id]
-            counts = [self.tokenizer.image_tokens(*image.shape[:2]) for image in first.images]
-            ids = self.tokenizer.expand_images(first.token_ids, counts)
-            vision = self.tokenizer.vision_inputs(first.images)
+            vision = self.vision(first.images)
+            ids = self.tokenizer.expand_images(first.token_ids, self.vision.tokens(vision))
             return {first_id: last_hidden_states(self.model, [ids], self.tokenizer.pad_token_id, vision)[0]}
         batch = [sid for sid, sequence in self.waiting.items() if not sequence.images][: self.max_num_seqs]
         sequences = [self.waiting.pop(sid) for sid in batch]

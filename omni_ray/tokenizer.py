@@ -1,15 +1,19 @@
-"""The encoder stage's host side: Qwen-Image's prompt template around a prompt, its tokens, and the template's
-leading tokens dropped from the encoder's output, as diffusers' ``QwenImagePipeline`` and ``QwenImageEditPipeline``
-do in ``encode_prompt``. The forward pass between them is vLLM's (``vllm_encoder``)."""
+"""The encoder stage's text side, without torch: Qwen-Image's prompt template around a prompt, its token ids, and
+the tokens an edit's images become, as diffusers' ``QwenImagePipeline`` and ``QwenImageEditPipeline`` build them in
+``encode_prompt``. The coordinator counts a prompt's tokens with it (its replica loads no torch); the encoder's
+engine core tokenizes with it. The torch side (the vision tower's inputs, the embeddings) is the encoder runners'.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from transformers import AutoImageProcessor, AutoTokenizer
+import json
 
-from omni_ray.qwen_image import TEXT_TO_IMAGE, TOKENIZER_MAX_LENGTH, PromptTemplate
-from omni_ray.records import PromptEmbeds, TokenCount
+# The class AutoTokenizer picks for Qwen2.5-VL's tokenizer, imported directly: AutoTokenizer's module imports torch.
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+from transformers.utils import cached_file
+
+from omni_ray.qwen_image import TEXT_TO_IMAGE, TOKENIZER_MAX_LENGTH, PromptTemplate, VisionPatches
+from omni_ray.records import TokenCount
 
 
 class PromptTokenizer:
@@ -21,17 +25,14 @@ class PromptTokenizer:
 
     def __init__(self, model: str, template: PromptTemplate = TEXT_TO_IMAGE):
         self.template = template
-        self.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
+        self.tokenizer = Qwen2Tokenizer.from_pretrained(model, subfolder="tokenizer")
         self.pad_token_id = self.tokenizer.pad_token_id
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        self.image_processor = (
-            AutoImageProcessor.from_pretrained(model, subfolder="processor") if template.has_image else None
-        )
+        self.vision = VisionPatches.from_config(image_processor_config(model)) if template.has_image else None
 
     def image_tokens(self, height: int, width: int) -> int:
-        """Tokens an image of this size becomes: the processor's patches, merged ``merge_size`` x ``merge_size``."""
-        patches = self.image_processor.get_number_of_image_patches(height, width)
-        return patches // self.image_processor.merge_size**2
+        """Tokens an image of this size becomes (``qwen_image.VisionPatches``)."""
+        return self.vision.tokens(height, width)
 
     def num_tokens(self, prompt: str, image_sizes: tuple[tuple[int, int], ...] = ()) -> TokenCount:
         """Tokens of the templated prompt, untruncated: its text's, and the edit images' of ``image_sizes``
@@ -49,12 +50,6 @@ class PromptTokenizer:
             return self.tokenizer(text).input_ids
         return self.tokenizer(text, max_length=TOKENIZER_MAX_LENGTH + self.template.drop, truncation=True).input_ids
 
-    def vision_inputs(self, images: tuple[np.ndarray, ...]) -> dict[str, torch.Tensor]:
-        """The images as Qwen2.5-VL's vision tower takes them: ``pixel_values`` and ``image_grid_thw``."""
-        from PIL import Image
-
-        return dict(self.image_processor(images=[Image.fromarray(image) for image in images], return_tensors="pt"))
-
     def expand_images(self, token_ids: list[int], counts: list[int]) -> list[int]:
         """Repeats the i-th ``<|image_pad|>`` token ``counts[i]`` times."""
         expanded, images = [], iter(counts)
@@ -63,9 +58,13 @@ class PromptTokenizer:
         return expanded
 
 
-def to_prompt_embeds(hidden: torch.Tensor, template: PromptTemplate, max_sequence_length: int) -> PromptEmbeds:
-    """Drops the template's system tokens from one sequence's last hidden state ``[num_tokens, hidden]``."""
-    hidden = hidden[template.drop :]
-    if template.truncates:
-        hidden = hidden[:max_sequence_length]
-    return PromptEmbeds(hidden.detach().cpu().contiguous())
+def image_processor_config(model: str) -> dict:
+    """The checkpoint's image processor settings: ``processor/preprocessor_config.json`` as the published
+    checkpoints have it, or the ``image_processor`` of ``processor_config.json`` as transformers 5 writes one."""
+    path = cached_file(model, "preprocessor_config.json", subfolder="processor",
+                       _raise_exceptions_for_missing_entries=False)
+    if path is not None:
+        with open(path) as file:
+            return json.load(file)
+    with open(cached_file(model, "processor_config.json", subfolder="processor")) as file:
+        return json.load(file)["image_processor"]
