@@ -90,7 +90,7 @@ def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
     for entry in results["batches"]:
         entry["ours_s"] = best_time(lambda: asyncio.run(edit(entry["batch"])), repeats)
         print(f"b={entry['batch']}: omni-ray {entry['batch'] / entry['ours_s']:.2f} edits/s", flush=True)
-    results["dit_batch_sizes"] = dict(sorted(pipeline.stages.dit.core.scheduler.batch_sizes.items()))
+    results["dit_batch_sizes"] = dict(sorted(pipeline.stages.dit.stats.core.batch_sizes.items()))
     pipeline.shutdown()
     for entry in results["batches"]:
         b = entry["batch"]

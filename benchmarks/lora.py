@@ -40,7 +40,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
     from omni_ray.engine.lora_residency import LoraResidency
     from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
     from omni_ray.runners.denoise import DenoiseRunner
-    from omni_ray.runners.lora import read_lora
+    from omni_ray.runners.lora import AdapterFiles, read_lora
     from testing.lora_files import TARGETS, make_adapter
     from testing.reference import PromptEncoder
 
@@ -70,7 +70,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
         """Seconds for ``concurrency`` requests sent at once, adapters round robin, through the async engine."""
         engine = AsyncEngine(lambda: DiTEngineCore(scheduler_class(max_batch_size=8, max_wait_steps=steps), runner),
                              "dit").start()
-        residency = LoraResidency(engine, NUM_ADAPTERS, read_lora)
+        residency = LoraResidency(engine, NUM_ADAPTERS, AdapterFiles(paths))
 
         async def one(i: int) -> None:
             lora = adapters[i % NUM_ADAPTERS]

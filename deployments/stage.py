@@ -2,7 +2,9 @@
 
 A stage's input from another stage arrives as an ``Upstream`` (a reference the coordinator passed on without
 reading it), which the shim resolves itself: an input lost with another replica raises ``StageLostError`` naming
-that call, so the request path issues exactly that call again. One module per stage: ``encoder``, ``dit``, ``vae``.
+that call, so the request path issues exactly that call again. The shim reads its engine only through what the
+engine hands out (each result with its timings, and ``engine.stats``), never the core's attributes. One module per
+stage: ``encoder``, ``dit``, ``vae``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import torch  # noqa: F401  (imported before the first call: unpickling a tensor
 from deployments import metrics
 from deployments.process import freeze_startup_heap
 from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.engine.stats import EngineStats
 from omni_ray.records import Finished
 
 logger = logging.getLogger("ray.serve")
 
 
 class StageDeployment:
-    """What every stage deployment does besides its one call: start, health, shutdown."""
+    """What every stage deployment does besides its one call: start, metrics, health, stats, shutdown."""
 
     stage = ""
 
@@ -36,11 +39,12 @@ class StageDeployment:
         threading.Thread(target=self._keep_gauges_fresh, name=f"omni-ray-{self.stage}-gauges", daemon=True).start()
         freeze_startup_heap()
 
-    def _record_step(self, seconds: float, batch: int, held: int) -> None:
+    def _record_step(self, seconds: float, batch: int) -> None:
+        """Called on the engine's thread after every step that produced outputs, its stats just made."""
         self.last_step_at = time.monotonic()
         metrics.step_latency.observe(seconds, tags=self.tags)
         metrics.running_batch_size.set(batch, tags=self.tags)
-        metrics.queue_length.set(held, tags=self.tags)
+        self._set_gauges(self.engine.stats)
 
     def _keep_gauges_fresh(self, period_s: float = 1.0) -> None:
         """Ray 2.60 exports a gauge for about two seconds after it was set: an idle stage would read "no data" on a
@@ -49,33 +53,28 @@ class StageDeployment:
             time.sleep(period_s)
             if time.monotonic() - self.last_step_at >= period_s:
                 metrics.running_batch_size.set(0, tags=self.tags)
-                metrics.queue_length.set(self.engine.num_running, tags=self.tags)
-                self._idle_gauges()
+                self._set_gauges(self.engine.stats)
 
-    def _idle_gauges(self) -> None:
-        """A stage's own gauges, set again while it does not step."""
+    def _set_gauges(self, stats: EngineStats) -> None:
+        """The gauges of what the stage holds, from its engine's latest stats."""
+        metrics.queue_length.set(stats.running, tags=self.tags)
 
-    async def _run(self, request, what: str, timings: dict[str, float], timing: str = ""):
-        """Runs one request in this engine: timed (into the result's ``timings``, as ``timing`` or the stage's
-        name, and the part of it the request queued before its first step as ``<name>_queued``), counted, logged
-        under its id."""
+    async def _run(self, request, what: str, upstream: dict[str, float] | None = None):
+        """Runs one request in this engine (timed into its result's ``timings``, after ``upstream``'s), counted,
+        logged under its id."""
         result = None
-        async for item in self._stream(request, what, timings, timing):
+        async for item in self._stream(request, what, upstream):
             result = item.result
         return result
 
-    async def _stream(self, request, what: str, timings: dict[str, float], timing: str = "") -> AsyncIterator:
+    async def _stream(self, request, what: str, upstream: dict[str, float] | None = None) -> AsyncIterator:
         """As ``_run``, yielding the engine's typed stream: ``StepDone`` and ``Preview`` items, then ``Finished``."""
-        start = time.perf_counter()
-        name = timing or self.stage
-        queued = {}
         try:
-            async for item in self.engine.stream(request, on_start=lambda s: queued.update({f"{name}_queued": s})):
+            async for item in self.engine.stream(request, upstream):
                 if isinstance(item, Finished):
-                    seconds = time.perf_counter() - start
+                    seconds = item.result.timings[request.timing]
                     metrics.stage_request_latency.observe(seconds, tags=self.tags)
                     logger.info("request %s: %s in %.0f ms", request.request_id, what, 1000 * seconds)
-                    item.result.timings = {**timings, name: seconds, **queued}
                 yield item
         except Exception as err:
             metrics.errors.inc(tags={**self.tags, "type": type(err).__name__})
@@ -89,14 +88,9 @@ class StageDeployment:
     def stats(self) -> dict:
         """Counters of the engine: requests it took, aborted, still running; steps it ran; and the Ray node the
         replica runs on."""
-        engine = self.engine
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "requests": engine.num_requests,
-            "aborted": engine.num_aborted,
-            "running": engine.num_running,
-            "steps": engine.num_steps,
-        }
+        stats = self.engine.stats
+        return {"node_id": ray.get_runtime_context().get_node_id(), "requests": stats.requests,
+                "aborted": stats.aborted, "running": stats.running, "steps": stats.steps}
 
     def __del__(self) -> None:
         # Serve calls this on graceful shutdown; it stops the loop and shuts the core down (vLLM's included, which

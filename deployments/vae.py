@@ -27,4 +27,4 @@ class VAE(StageDeployment):
     async def encode(self, request_id: str, image: np.ndarray, seed: int | None = None) -> Latents:
         """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with (a
         masked edit's start image: a sample drawn with ``seed``)."""
-        return await self._run(ImageEncodeRequest(request_id, image, seed), "encoded image", {}, timing="vae_encode")
+        return await self._run(ImageEncodeRequest(request_id, image, seed), "encoded image")

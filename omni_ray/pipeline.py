@@ -37,10 +37,10 @@ from omni_ray.records import (
     ImageEncodeRequest,
     InputImages,
     OutputMode,
+    upstream_timings,
 )
 from omni_ray.request_path import DenoiseEvent, RequestEvent, Stages, collect, run_request
-from omni_ray.runners.lora import AdapterFiles
-from omni_ray.runners.tokenizer import PromptTokenizer
+from omni_ray.tokenizer import PromptTokenizer
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs" / "qwen_image_tiny.yaml"
 
@@ -49,21 +49,14 @@ class LocalStages(Stages[object]):
     """The stage protocol on three in-process engines. Handles are the records themselves: asyncio tasks that will
     hold the encoders' results, the edit's pixels, the DiT's latents."""
 
-    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, max_loras: int = 4,
-                 files: AdapterFiles | None = None):
-        self.encoder, self.dit, self.vae = encoder, dit, vae
-        self.files = files or AdapterFiles()
-        self.loras = LoraResidency(dit, max_loras, self.files.read)
+    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, loras: LoraResidency):
+        self.encoder, self.dit, self.vae, self.loras = encoder, dit, vae, loras
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> LocalStages:
-        return cls(
-            AsyncEngine(lambda: build_encoder_core(config), "encoder").start(),
-            AsyncEngine(lambda: build_dit_core(config), "dit").start(),
-            AsyncEngine(lambda: build_vae_core(config), "vae").start(),
-            config.dit.max_loras,
-            AdapterFiles([entry.path for entry in config.loras.values()], config.lora.roots),
-        )
+        dit = AsyncEngine(lambda: build_dit_core(config), "dit").start()
+        return cls(AsyncEngine(lambda: build_encoder_core(config), "encoder").start(), dit,
+                   AsyncEngine(lambda: build_vae_core(config), "vae").start(), LoraResidency.from_config(dit, config))
 
     def put_image(self, image: np.ndarray) -> np.ndarray:
         return image
@@ -84,19 +77,20 @@ class LocalStages(Stages[object]):
         images = tuple([await asyncio.shield(latents) for latents in image_latents])
         start_latents = await asyncio.shield(start) if start is not None else None
         request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, images, start_latents)
+        timings = upstream_timings(encoded, *images, *([start_latents] if start_latents is not None else []))
         async with self.loras.use(params.lora):
-            async for item in self.dit.stream(request):
+            async for item in self.dit.stream(request, timings):
                 yield item  # the engine's typed stream; its latents are the handles
 
     async def decode(self, request_id: str, latents, output: OutputMode, preview: bool = False) -> Decoded:
-        return await self.vae.generate(DecodeRequest(request_id, latents, output, preview))
+        return await self.vae.generate(DecodeRequest(request_id, latents, output, preview), upstream=latents.timings)
 
     def cancel(self, handle) -> None:
         if isinstance(handle, asyncio.Future):
             handle.cancel()
 
     async def check_lora(self, path: str) -> LoraEntry:
-        return await asyncio.to_thread(self.files.check, path, self.loras.shapes)
+        return await self.loras.check(path)
 
     def shutdown(self) -> None:
         for engine in (self.encoder, self.dit, self.vae):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
 from omni_ray.config import CacheSettings
 from omni_ray.qwen_image import dit_work_tokens, inpaint_start
@@ -95,6 +95,7 @@ class PromptEmbeds:
 class EncodeRequest:
     """A request as the encoder engine receives it."""
 
+    timing: ClassVar[str] = "encoder"  # its stage's name in a result's timings
     request_id: str
     prompt: str
     negative_prompt: str | None = None  # given only when the request runs true CFG
@@ -157,6 +158,7 @@ class DenoiseRequest:
     """A request as the DiT engine receives it: the prompt's embeddings (and the negative's, for true CFG), and for
     an edit its input images' latents, in order."""
 
+    timing: ClassVar[str] = "dit"
     request_id: str
     params: DenoiseParams
     prompt: PromptEmbeds
@@ -219,6 +221,16 @@ class Latents:
     # runs two per step, each decided apart)
 
 
+def upstream_timings(*results: EncodedPrompt | Latents) -> dict[str, float]:
+    """The timings a stage call's inputs bring (each stage before it, in seconds), for the result it makes: where
+    several inputs come from one stage run side by side (an edit's image encodes), the longest."""
+    timings: dict[str, float] = {}
+    for result in results:
+        for stage, seconds in result.timings.items():
+            timings[stage] = max(seconds, timings.get(stage, 0.0))
+    return timings
+
+
 # --- the API's accounting ----------------------------------------------------------------------------------------
 
 
@@ -243,6 +255,7 @@ class TokenCount(NamedTuple):
 class DecodeRequest:
     """Latents to decode, as the VAE engine receives them."""
 
+    timing: ClassVar[str] = "vae"
     request_id: str
     latents: Latents
     output: OutputMode = "pixels"
@@ -258,6 +271,7 @@ class ImageEncodeRequest:
     """One of an edit's input images, to become latents the DiT denoises beside (the latent distribution's mode), or
     a masked edit's start image (a sample of it, drawn with ``seed`` as diffusers' inpaint pipelines draw it)."""
 
+    timing: ClassVar[str] = "vae_encode"
     request_id: str
     image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)
     seed: int | None = None

@@ -231,6 +231,9 @@ def test_a_stuck_step_fails_the_health_check():
             release.wait(10)
             return []
 
+        def stats(self):
+            return None
+
         def shutdown(self):
             pass
 

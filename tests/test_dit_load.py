@@ -28,7 +28,7 @@ def test_work_counts_remaining_steps_at_the_depth_each_key_batches_and_estimates
     times = StepTimes()
     times.observe(1000, 0.1 + 1e-4 * 1000)
     times.observe(3000, 0.1 + 1e-4 * 3000)
-    load = DiTLoad(times, max_batch_size=8, max_batch_tokens=4000)
+    load = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000)
     assert load.row_seconds(2000) == pytest.approx(0.1 / 2 + 0.2)  # two rows of 2000 tokens fit a step
     assert load.row_seconds(8000) == pytest.approx(0.1 + 0.8)  # alone in its step
     load.add("batch", priority=1, tokens=8000, steps=50)
@@ -41,10 +41,10 @@ def test_work_counts_remaining_steps_at_the_depth_each_key_batches_and_estimates
     load.remove("batch")
     load.remove("urgent")
     assert load.seconds() == 0
-    fifo = DiTLoad(times, max_batch_size=8, max_batch_tokens=4000, by_priority=False)
+    fifo = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000, by_priority=False)
     fifo.add("batch", priority=1, tokens=8000, steps=50)
     assert fifo.estimate(priority=0, tokens=2000, steps=20) == pytest.approx(45 + 5)  # FIFO: everything is ahead
-    assert DiTLoad(StepTimes(), 8, None).estimate(0, 2000, 20) == 0  # nothing learned yet: refuses nothing
+    assert DiTLoad(StepTimes().snapshot, 8, None).estimate(0, 2000, 20) == 0  # nothing learned yet: refuses nothing
 
 
 def replica(name, work, at=1.0, request_s=2.0):

@@ -115,7 +115,7 @@ def test_a_reduced_dummy_edit_2511_app_edits_two_images(tmp_path):
         body = {"prompt": "put the disc on the second", "negative_prompt": "blurry", "seed": 3,
                 "num_inference_steps": 2}
         (image,) = asyncio.run(pipeline.generate(body, inputs))
-        assert pipeline.stages.encoder.core.num_encoded == 2  # the prompt and the negative, each with both images
+        assert pipeline.stages.encoder.stats.core.encoded == 2  # the prompt and the negative, each with both images
     finally:
         pipeline.shutdown()
     assert image.pixels.shape == inputs.vae[-1].shape and image.pixels.dtype == np.uint8

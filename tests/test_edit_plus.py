@@ -77,19 +77,19 @@ def test_edits_of_two_and_three_images_equal_diffusers_edit_plus_within_one_leve
 def test_edits_whose_image_sizes_match_share_dit_steps_and_others_do_not(pipeline, config):
     same = [load_input_images([png(image) for image in sources(2, seed)], config) for seed in (0, 5)]
     swapped = load_input_images([png(image) for image in reversed(sources(2))], config)
-    core = pipeline.stages.dit.core
+    dit = pipeline.stages.dit
     body = {"prompt": "swap them", "num_inference_steps": 4, "seed": 1, "size": "64x64"}
 
     async def run(inputs):
         return await asyncio.gather(*(pipeline.generate(body, images) for images in inputs))
 
-    before = dict(core.batch_sizes)
+    before = dit.stats.core.batch_sizes
     run_results = asyncio.run(run(same))
-    assert max(size for size, count in core.batch_sizes.items() if count > before.get(size, 0)) == 2
+    assert max(size for size, count in dit.stats.core.batch_sizes.items() if count > before.get(size, 0)) == 2
     assert not np.array_equal(run_results[0][0].pixels, run_results[1][0].pixels)  # the images steer each
-    before = dict(core.batch_sizes)
+    before = dit.stats.core.batch_sizes
     asyncio.run(run([same[0], swapped]))  # the same sizes in another order: another key
-    assert {size for size, count in core.batch_sizes.items() if count > before.get(size, 0)} == {1}
+    assert {size for size, count in dit.stats.core.batch_sizes.items() if count > before.get(size, 0)} == {1}
 
 
 def test_every_image_counts_against_the_encoder_and_each_error_names_image(config, edit_plus_dir):

@@ -1,5 +1,6 @@
 """The ingress's routes without a Ray cluster: the CrossEngineCoordinator over a fake stage protocol, its routes
-attached by build_api, driven by starlette's TestClient. test_serve.py runs the same routes over the real stage deployments."""
+attached by build_api, driven by starlette's TestClient. test_serve.py runs the same routes over the real stage
+deployments."""
 
 import base64
 import io

@@ -134,3 +134,26 @@ def test_a_coordinator_replica_loads_no_torch(tiny_dir, edit_dir):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["True", "True"]
 
+
+ENGINE_INSIDES = ("scheduler", "runner", "step_times", "cache")  # what a core holds; ``core`` itself below
+
+
+def _core_reads(source: str) -> list[str]:
+    """Attribute reads into an engine core: ``.core`` but as ``EngineStats.core`` (``stats.core``), and what a core
+    holds."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        of_stats = ast.unparse(node.value).split(".")[-1] == "stats"  # EngineStats.core: the core's figures
+        if (node.attr == "core" and not of_stats) or node.attr in ENGINE_INSIDES:
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return found
+
+
+def test_nothing_under_deployments_reads_an_engine_cores_attributes():
+    """The stage shims read their engine's figures from what its thread hands out (``engine.stats``), never from
+    the core it drives on another thread."""
+    assert _core_reads("cache = self.engine.core.cache\nfit = engine.core.step_times.fit") != []  # it would see one
+    reads = {name: found for name, path in _modules("deployments").items() if (found := _core_reads(path.read_text()))}
+    assert reads == {}

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -152,7 +153,7 @@ def test_a_few_step_adapter_s_recipe_shares_step_batches_and_equals_diffusers(ti
 
     try:
         results = dict(zip(bodies, (images[0] for images in asyncio.run(together()))))
-        assert max(pipeline.stages.dit.core.batch_sizes) == 3  # all three in one step, each with its own sigmas
+        assert max(pipeline.stages.dit.stats.core.batch_sizes) == 3  # all three in one step, each with its own sigmas
         (own,) = asyncio.run(pipeline.generate({**bodies["L"], "num_inference_steps": 2, "true_cfg_scale": 3.0}))
     finally:
         pipeline.shutdown()
@@ -305,7 +306,7 @@ def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
 
     async def scenario():
         dit = FakeDiT()
-        residency = LoraResidency(dit, max_loras=2, reader=reader)
+        residency = LoraResidency(dit, max_loras=2, files=SimpleNamespace(read=reader))
         ref = {name: LoraRef(name, name.lower()) for name in "ABCD"}
         async with residency.use(ref["A"]):
             async with residency.use(ref["B"]):

@@ -129,6 +129,34 @@ def test_edit_streams_progress_then_the_image_and_the_python_client_edits(served
     assert np.asarray(cached[0]).tolist() == png(item["b64_json"]).tolist()
 
 
+def test_served_and_in_process_stages_report_the_same_timings(served, edit_dir):
+    """The two implementations of the stage protocol (the deployments' handles, the engines in one process) time a
+    request in one place: the same stages, each with the part it queued, for the same edit."""
+    import asyncio
+
+    from omni_ray.api.images import load_input_images
+    from omni_ray.api.responses import image_stats
+    from omni_ray.pipeline import Pipeline
+
+    source = file_bytes(source_image(180, 100, seed=2))
+    fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "2", "timings": "true"}
+    with post_edit(served, fields, [("image", ("in.png", source, "image/png"))]) as response:
+        item = response.json()["data"][0]
+    config = load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir))
+    config = config.model_copy(update={"encoder": config.encoder.model_copy(update={"runner": "transformers"})})
+    pipeline = Pipeline(config)  # transformers' encoder: vLLM would bind this process's threads
+    try:
+        (image,) = asyncio.run(pipeline.generate({"prompt": "make it red", "seed": 3, "num_inference_steps": 2},
+                                                 load_input_images([source], config)))
+    finally:
+        pipeline.shutdown()
+    in_process = image_stats(image.timings, image.dit_passes)
+    stages = {"encoder", "vae_encode", "dit", "vae"}
+    assert set(item["timings_ms"]) == set(item["queued_ms"]) == stages
+    assert set(in_process["timings_ms"]) == set(in_process["queued_ms"]) == stages
+    assert all(0 <= in_process["queued_ms"][stage] < in_process["timings_ms"][stage] for stage in stages)
+
+
 def test_the_official_client_sends_a_mask_and_the_edit_equals_diffusers_edit_inpainting(served, edit_dir, image_area):
     import openai
     from diffusers import QwenImageEditInpaintPipeline

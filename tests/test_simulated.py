@@ -131,21 +131,21 @@ def test_the_simulated_preset_serves_real_shapes_through_the_request_path():
     assert images[0].dit_passes == {"computed": 4, "reused": 0}
 
 
-def test_the_async_engine_reports_how_long_each_request_queued():
+def test_the_async_engine_times_each_request_and_how_long_it_queued():
     from omni_ray.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(lambda: EngineCore(DiTScheduler(1, 8), SimulatedDenoiser(torch.bfloat16)), "dit").start()
 
-    async def run() -> dict[str, float]:
-        queued = {}
+    async def run() -> list[dict[str, float]]:
         requests = [DenoiseRequest(rid, DenoiseParams(512, 512, 3, 0), embeds(20)) for rid in ("first", "second")]
-        await asyncio.gather(*(engine.generate(r, on_start=lambda s, rid=r.request_id: queued.update({rid: s}))
-                               for r in requests))
-        return queued
+        results = await asyncio.gather(*(engine.generate(r, upstream={"encoder": 0.25}) for r in requests))
+        return [result.timings for result in results]
 
     try:
-        queued = asyncio.run(run())
+        first, second = asyncio.run(run())
     finally:
         engine.shutdown()
     first_runs = 3 * COSTS.dit_step(1, 512, 512, 20, False)  # batches of one: the second waits for all of it
-    assert queued["first"] < 0.5 * first_runs <= first_runs * 0.98 <= queued["second"]
+    assert first["dit_queued"] < 0.5 * first_runs <= first_runs * 0.98 <= second["dit_queued"]
+    assert first["dit"] >= first_runs * 0.98 and second["dit"] >= second["dit_queued"] + first_runs * 0.98
+    assert set(first) == set(second) == {"encoder", "dit", "dit_queued"} and first["encoder"] == 0.25

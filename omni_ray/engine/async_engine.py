@@ -2,11 +2,11 @@
 
 Every call to the core happens on that thread, so cores and schedulers need no locks. Callers' adds and aborts
 reach the loop through a queue and take effect at the next step boundary. Cancelling the awaiting task aborts the
-request in the engine.
+request in the engine. What others read of the engine is what its thread hands out: each request's result with its
+timings, and ``stats``, a snapshot made after every step and every command.
 
-The thread also builds the core. Torch's OpenMP regions run several times slower on a thread when another thread of
-the process has run some before (measured here: a LayerNorm of 128x128 takes 27 us on the first thread to use
-OpenMP and 110 to 220 us on a later one), so the model is loaded and run on the engine's thread alone.
+The thread also builds the core, so the model is loaded and run on one thread: torch's OpenMP thread pools belong to
+the thread that first ran a parallel region.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omni_ray.engine.core import EngineCoreClient
+from omni_ray.engine.core import EngineCoreProtocol
 from omni_ray.engine.output import EngineCoreOutput, StepError
+from omni_ray.engine.stats import EngineStats
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.records import Finished, Follows, Preview, StepDone, StreamItem
 
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int, Any], None]  # (steps done, total steps, the step's preview or None)
-StartCallback = Callable[[float], None]  # seconds the request waited before the first step that ran it
-StepCallback = Callable[[float, int, int], None]  # (seconds, requests the step touched, requests still held)
+StepCallback = Callable[[float, int], None]  # (seconds, requests the step touched), after ``stats`` is new
 
 
 class Command(enum.Enum):
@@ -47,9 +47,8 @@ class _Caller:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     on_progress: ProgressCallback | None
-    on_start: StartCallback | None = None
     added_at: float = 0.0  # monotonic, when the caller asked
-    started: bool = False  # a step has run it
+    queued_s: float | None = None  # seconds it waited before the first step that ran it, once one has
 
 
 class AsyncEngine:
@@ -57,14 +56,14 @@ class AsyncEngine:
 
     def __init__(
         self,
-        build_core: Callable[[], EngineCoreClient],
+        build_core: Callable[[], EngineCoreProtocol],
         name: str,
         stall_timeout_s: float = 300.0,
         on_step: StepCallback | None = None,
     ):
         self.build_core = build_core
         self.on_step = on_step  # called on the engine thread after every step, for metrics
-        self.core: EngineCoreClient | None = None
+        self.core: EngineCoreProtocol | None = None  # touched by the engine's thread only
         self.name = name
         self.stall_timeout_s = stall_timeout_s
         self._commands: queue.SimpleQueue[tuple[Command, Any]] = queue.SimpleQueue()
@@ -77,6 +76,7 @@ class AsyncEngine:
         self.num_steps = 0
         self.num_requests = 0  # added to the core
         self.num_aborted = 0  # aborted by their callers (cancelled) before they finished
+        self.stats = EngineStats()  # the engine thread's latest snapshot, replaced whole
 
     def start(self) -> AsyncEngine:
         """Starts the thread, which builds the core; returns once it is built (or raises what building raised)."""
@@ -87,24 +87,30 @@ class AsyncEngine:
         return self
 
     async def generate(self, request, on_progress: ProgressCallback | None = None,
-                       on_start: StartCallback | None = None) -> Any:
+                       upstream: dict[str, float] | None = None) -> Any:
         """Adds ``request`` (its ``request_id`` must be unique) and returns its stage result (the core's
-        ``pooling_output``); raises the EngineError it failed with. ``on_progress`` gets each step's progress,
-        ``on_start`` once the seconds it queued before its first step began."""
+        ``pooling_output``); raises the EngineError it failed with. The result's ``timings`` are ``upstream``'s
+        (the stages before this one) and this engine's: the seconds from this call to the result, as
+        ``request.timing``, and the part of them it queued before its first step, as ``<request.timing>_queued``.
+        ``on_progress`` gets each step's progress."""
         if not self._thread.is_alive():
             raise EngineError("engine loop is not running", self.name)
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._commands.put((Command.ADD, (request, _Caller(loop, future, on_progress, on_start, time.monotonic()))))
+        caller = _Caller(loop, loop.create_future(), on_progress, time.monotonic())
+        self._commands.put((Command.ADD, (request, caller)))
         try:
-            return await future
+            result = await caller.future
         except asyncio.CancelledError:
             self.abort(request.request_id)
             raise
+        name = request.timing
+        result.timings = {**(upstream or {}), name: time.monotonic() - caller.added_at,
+                          f"{name}_queued": caller.queued_s or 0.0}
+        return result
 
-    async def stream(self, request, on_start: StartCallback | None = None) -> AsyncIterator[StreamItem]:
+    async def stream(self, request, upstream: dict[str, float] | None = None) -> AsyncIterator[StreamItem]:
         """``StepDone`` after every step of ``request`` (then ``Preview`` when the step has one), then ``Finished``
-        with its stage result. Closing the stream aborts it."""
+        with its stage result (timed as ``generate`` times it). Closing the stream aborts it."""
         steps: asyncio.Queue = asyncio.Queue()
 
         def on_progress(done: int, total: int, preview: Any) -> None:
@@ -113,7 +119,7 @@ class AsyncEngine:
             if preview is not None:
                 steps.put_nowait(Preview(preview))
 
-        result = asyncio.ensure_future(self.generate(request, on_progress, on_start))
+        result = asyncio.ensure_future(self.generate(request, on_progress, upstream))
         try:
             while not result.done() or not steps.empty():
                 step = asyncio.ensure_future(steps.get())
@@ -126,7 +132,7 @@ class AsyncEngine:
         finally:
             result.cancel()
 
-    async def call(self, method: Callable[[EngineCoreClient], Any]) -> Any:
+    async def call(self, method: Callable[[EngineCoreProtocol], Any]) -> Any:
         """``method(core)``'s result, run on the engine's thread between two steps (as vLLM's utility calls run on
         its engine core): how callers change what the core holds, such as the DiT's LoRA adapters."""
         if not self._thread.is_alive():
@@ -138,11 +144,6 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put((Command.ABORT, request_id))
-
-    @property
-    def num_running(self) -> int:
-        """Requests added and not yet finished or aborted."""
-        return len(self._callers)
 
     def check_health(self) -> None:
         """Raises if the loop thread died or one step has run longer than ``stall_timeout_s``."""
@@ -168,6 +169,7 @@ class AsyncEngine:
         finally:
             self._ready.set()
         try:
+            self._publish()
             self._loop()
         finally:
             for request_id in list(self._callers):
@@ -177,6 +179,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopping:
             self._apply_commands(block=not self.core.has_unfinished_requests())
+            self._publish()
             if self._stopping:
                 break
             started = self._busy_since = time.monotonic()
@@ -190,8 +193,13 @@ class AsyncEngine:
             self.num_steps += 1
             for output in outputs:
                 self._deliver(output, started)
+            self._publish()
             if self.on_step is not None and outputs:
-                self.on_step(time.monotonic() - started, len(outputs), len(self._callers))
+                self.on_step(time.monotonic() - started, len(outputs))
+
+    def _publish(self) -> None:
+        self.stats = EngineStats(self.num_steps, self.num_requests, self.num_aborted, len(self._callers),
+                                 self.core.stats())
 
     def _apply_commands(self, block: bool) -> None:
         command = self._commands.get() if block else self._next_command()
@@ -245,10 +253,8 @@ class AsyncEngine:
         caller = self._callers.get(output.request_id)
         if caller is None:  # aborted meanwhile
             return
-        if not caller.started and step_started is not None:
-            caller.started = True
-            if caller.on_start is not None:
-                caller.loop.call_soon_threadsafe(caller.on_start, max(0.0, step_started - caller.added_at))
+        if caller.queued_s is None and step_started is not None:
+            caller.queued_s = max(0.0, step_started - caller.added_at)
         if caller.on_progress is not None and output.progress is not None:
             caller.loop.call_soon_threadsafe(caller.on_progress, *output.progress, output.preview)
         if not output.finished:

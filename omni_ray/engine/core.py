@@ -8,6 +8,7 @@ from typing import Generic, Protocol, TypeVar
 from omni_ray.engine.dit_load import StepTimes
 from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.scheduler import Scheduler, SchedulerOutput
+from omni_ray.engine.stats import DiTStats
 from omni_ray.records import LoraKey
 
 SchedulerOutputT = TypeVar("SchedulerOutputT", bound=SchedulerOutput, contravariant=True)
@@ -20,13 +21,14 @@ class ModelRunner(Protocol[SchedulerOutputT, RunnerOutputT]):
         back in the output's ``errors``; an exception fails every request of the step."""
 
 
-class EngineCoreClient(Protocol):
+class EngineCoreProtocol(Protocol):
     """What the async driver needs of a core: ours below, and the encoder's around vLLM's."""
 
     def add_request(self, request) -> None: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[EngineCoreOutput]: ...
+    def stats(self) -> object: ...  # the core's own figures (engine.stats), made on the engine's thread
     def shutdown(self) -> None: ...
 
 
@@ -56,6 +58,9 @@ class EngineCore(Generic[SchedulerOutputT, RunnerOutputT]):
             raise StepError(scheduler_output.request_ids) from err
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def stats(self) -> None:
+        """No figures of its own (the VAE's core)."""
+
     def shutdown(self) -> None:
         """Nothing to release: the runner's tensors go with it."""
 
@@ -63,7 +68,7 @@ class EngineCore(Generic[SchedulerOutputT, RunnerOutputT]):
 class DiTEngineCore(EngineCore):
     """The DiT's core: the engine contract, plus the LoRA adapters its runner holds (called between two steps, on
     the engine's thread, as vLLM's ``add_lora``/``remove_lora`` utility calls run on its core), and how long its
-    steps take for their tokens (``step_times``, read by the replica's load figures)."""
+    steps take for their tokens (``step_times``, which its stats hand to the replica's load figures)."""
 
     def __init__(self, scheduler, runner):
         super().__init__(scheduler, runner)
@@ -76,10 +81,10 @@ class DiTEngineCore(EngineCore):
             self.step_times.observe(self.scheduler.last_step_tokens, time.perf_counter() - started)
         return outputs
 
-    @property
-    def batch_sizes(self) -> dict[int, int]:
-        """Requests per step -> steps run with that many (the step-level batching at work)."""
-        return dict(self.scheduler.batch_sizes)
+    def stats(self) -> DiTStats:
+        scheduler = self.scheduler
+        return DiTStats(self.step_times.snapshot(), dict(scheduler.batch_sizes), scheduler.num_paused,
+                        scheduler.num_paused_steps, getattr(self.runner, "warmup_s", None))
 
     @property
     def lora_shapes(self) -> dict[str, tuple[int, int]]:

@@ -9,14 +9,24 @@ deep as the preset lets its key batch, the step's fixed overhead shared between 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    """``StepTimes``' fit as it stands: ``seconds = overhead_s + per_token_s * tokens``, from ``num_steps`` steps."""
+
+    overhead_s: float = 0.0
+    per_token_s: float = 0.0
+    num_steps: int = 0
 
 
 class StepTimes:
     """An exponentially weighted least-squares fit of step seconds against step tokens; until steps of two sizes
     were seen it is proportional (no overhead). A step ten times slower than the fit predicts (the first step of a
-    shape that compiles, say) is left out once the fit has a few steps. Written on the engine's thread, read
-    anywhere: ``fit`` is one tuple, replaced whole."""
+    shape that compiles, say) is left out once the fit has a few steps. Lives in the DiT's core, on the engine's
+    thread; others read its ``snapshot()`` in the engine's stats."""
 
     def __init__(self, halflife_steps: float = 200.0):
         self.decay = 0.5 ** (1.0 / halflife_steps)
@@ -36,6 +46,9 @@ class StepTimes:
     def seconds(self, tokens: int) -> float:
         overhead, per_token = self.fit
         return overhead + per_token * tokens
+
+    def snapshot(self) -> StepFit:
+        return StepFit(*self.fit, self.num_steps)
 
 
 def _solve(w: float, t: float, tt: float, y: float, ty: float) -> tuple[float, float]:
@@ -58,10 +71,11 @@ class _Work:
 class DiTLoad:
     """The work a DiT replica holds, queued and running; changed on the replica's event loop."""
 
-    def __init__(self, step_times: StepTimes, max_batch_size: int, max_batch_tokens: int | None,
+    def __init__(self, step_fit: Callable[[], StepFit], max_batch_size: int, max_batch_tokens: int | None,
                  by_priority: bool = True):
-        """``by_priority``: the scheduler runs the more urgent first (a FIFO one does not: all work is ahead)."""
-        self.step_times = step_times
+        """``step_fit()``: the engine's latest ``StepFit``; ``by_priority``: the scheduler runs the more urgent first
+        (a FIFO one does not: all work is ahead)."""
+        self.step_fit = step_fit
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.by_priority = by_priority
@@ -84,8 +98,8 @@ class DiTLoad:
         rows = self.max_batch_size
         if self.max_batch_tokens is not None:
             rows = max(1, min(rows, self.max_batch_tokens // tokens))
-        overhead, per_token = self.step_times.fit
-        return overhead / rows + per_token * tokens
+        fit = self.step_fit()
+        return fit.overhead_s / rows + fit.per_token_s * tokens
 
     def seconds(self, max_priority: int | None = None) -> float:
         """Cost-seconds of every request held (of priority ``max_priority`` or more urgent, when given)."""
@@ -96,7 +110,7 @@ class DiTLoad:
     def estimate(self, priority: int, tokens: int, steps: int, images: int = 1) -> float:
         """Seconds until a new request's ``images`` would be done here: the work as urgent or more that is ahead of
         it, and its own (0 until the replica has run a step: it has nothing to learn from)."""
-        if self.step_times.num_steps == 0:
+        if self.step_fit().num_steps == 0:
             return 0.0
         ahead = self.seconds(priority if self.by_priority else None)
         return ahead + images * steps * self.row_seconds(tokens)

@@ -16,6 +16,7 @@ import numpy as np
 
 from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.prompt_cache import PromptCache
+from omni_ray.engine.stats import EncoderStats, PromptCacheStats
 from omni_ray.qwen_image import PromptTemplate
 from omni_ray.records import EncodedPrompt, EncodeRequest, PromptEmbeds
 from omni_ray.tokenizer import PromptTokenizer
@@ -144,6 +145,11 @@ class EncoderEngineCore:
         if sequence.key is not None:
             self.running.pop(sequence.key, None)
         return sequence
+
+    def stats(self) -> EncoderStats:
+        cache = self.cache
+        return EncoderStats(self.num_encoded, cache and PromptCacheStats(cache.num_hits, cache.num_misses, len(cache),
+                                                                          cache.nbytes))
 
     def shutdown(self) -> None:
         self.encoder.shutdown()

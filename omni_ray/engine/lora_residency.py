@@ -15,14 +15,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
+from omni_ray.config import LoraEntry, PipelineConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.errors import EngineError, RequestError
 from omni_ray.records import LoraKey, LoraRef
+from omni_ray.runners.lora import AdapterFiles
 
 logger = logging.getLogger(__name__)
-
-Reader = Callable[[str, Mapping[str, tuple[int, int]]], dict]  # (file, the layers' shapes) -> layer name -> weights
-
 
 @dataclass(slots=True)
 class _Resident:
@@ -31,15 +30,33 @@ class _Resident:
 
 
 class LoraResidency:
-    def __init__(self, engine: AsyncEngine, max_loras: int, reader: Reader,
+    def __init__(self, engine: AsyncEngine, max_loras: int, files: AdapterFiles,
                  on_load: Callable[[str], None] | None = None):
-        """``engine`` drives a ``DiTEngineCore``; ``reader`` reads an adapter's file for the runner
-        (``runners.lora.read_lora``)."""
-        self.engine, self.max_loras, self.shapes, self.reader = engine, max_loras, engine.core.lora_shapes, reader
+        """``engine`` drives a ``DiTEngineCore``; ``files`` finds and reads adapters' files for the runner."""
+        self.engine, self.max_loras, self.files = engine, max_loras, files
         self.on_load = on_load  # called with an adapter's name each time it is loaded, for metrics
+        self._shapes: Mapping[str, tuple[int, int]] | None = None  # the layers an adapter may adapt
         self.resident: OrderedDict[LoraKey, _Resident] = OrderedDict()  # least recently used first
         self._released: list[asyncio.Future] = []  # requests waiting for a resident adapter to fall idle
         self.num_loads = 0
+
+    @classmethod
+    def from_config(cls, engine: AsyncEngine, config: PipelineConfig,
+                    on_load: Callable[[str], None] | None = None) -> LoraResidency:
+        """The preset's residency: ``dit.max_loras`` slots, the preset's adapters' files and ``lora.roots``."""
+        files = AdapterFiles([entry.path for entry in config.loras.values()], config.lora.roots)
+        return cls(engine, config.dit.max_loras, files, on_load)
+
+    async def check(self, path: str) -> LoraEntry:
+        """A run-time adapter under ``lora.roots`` that the transformer can take (its resolved path, and its recipe
+        when one lies beside it); RequestError naming ``lora_path`` otherwise."""
+        return await asyncio.to_thread(self.files.check, path, await self.shapes())
+
+    async def shapes(self) -> Mapping[str, tuple[int, int]]:
+        """The Linear layers an adapter may adapt (module name -> (in, out features)), asked of the core once."""
+        if self._shapes is None:
+            self._shapes = await self.engine.call(lambda core: core.lora_shapes)
+        return self._shapes
 
     @contextlib.asynccontextmanager
     async def use(self, lora: LoraRef | None) -> AsyncIterator[None]:
@@ -81,7 +98,7 @@ class LoraResidency:
     async def _load(self, lora: LoraRef) -> None:
         try:
             try:
-                layers = await asyncio.to_thread(self.reader, lora.path, self.shapes)
+                layers = await asyncio.to_thread(self.files.read, lora.path, await self.shapes())
             except RequestError as err:  # the file was fine when it was registered: not the request's fault now
                 raise EngineError(f"LoRA adapter {lora.name!r} could not be loaded: {err}", "dit") from None
             await self.engine.call(lambda core: core.add_lora(lora.key, layers))

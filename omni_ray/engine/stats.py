@@ -1,0 +1,53 @@
+"""What an engine hands out about itself: a snapshot its thread makes after every step (and every command it takes),
+as vLLM's engine core ships ``SchedulerStats`` with its outputs. Whoever reads an engine's figures (the stage
+deployments' metrics and ``stats`` calls, the DiT's load) reads these, never the core's attributes: the core is
+touched only by its own thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omni_ray.engine.dit_load import StepFit
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCacheStats:
+    """The encoder's prompt-embedding cache."""
+
+    hits: int
+    misses: int
+    entries: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderStats:
+    """The encoder core's figures."""
+
+    encoded: int  # sequences the encoder ran (texts not served from the cache)
+    prompt_cache: PromptCacheStats | None  # None when the cache is off
+
+
+@dataclass(frozen=True, slots=True)
+class DiTStats:
+    """The DiT core's figures."""
+
+    step_fit: StepFit  # how long its steps take for their tokens, learned from the steps it ran
+    batch_sizes: dict[int, int]  # requests per step -> steps run with that many (the step-level batching)
+    paused: int  # admitted requests the last step did not run
+    paused_request_steps: int  # request-steps admitted requests sat out
+    warmup_s: float | None  # seconds compiling took at start (dit.compile), None without
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One engine's snapshot: the driver's counters and its core's own figures (``EncoderStats``, ``DiTStats``;
+    None for the VAE's)."""
+
+    steps: int = 0  # steps run
+    requests: int = 0  # requests added to the core
+    aborted: int = 0  # requests their callers cancelled before they finished
+    running: int = 0  # requests added and not yet finished or aborted
+    core: EncoderStats | DiTStats | None = field(default=None)
