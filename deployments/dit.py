@@ -33,7 +33,7 @@ class DiT(StageDeployment):
         super().__init__(lambda: build_dit_core(config))
         scheduler = self.engine.core.scheduler
         self.load = DiTLoad(self.engine.core.step_times, scheduler.max_batch_size, scheduler.max_batch_tokens,
-                            by_priority=scheduler.policy != "fifo")
+                            by_priority=scheduler.policy.by_priority)
         self.files = AdapterFiles([entry.path for entry in config.loras.values()], config.lora.roots)
         self.loras = LoraResidency(
             self.engine, config.dit.max_loras, self.files.read,
