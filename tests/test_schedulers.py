@@ -275,6 +275,24 @@ def test_fifo_ignores_priorities_and_budgets():
     assert run(scheduler, runner, 3) == [["first", "second"], ["first", "second"], ["urgent"]]
 
 
+def test_the_same_requests_run_by_priority_tenant_and_budget_under_one_policy_and_in_arrival_order_under_the_other():
+    def schedule(policy):
+        scheduler, runner = DiTScheduler(max_batch_size=4, max_wait_steps=4, policy=policy), FakeRunner()
+        for i in range(3):
+            scheduler.add_request(request(f"heavy{i}", 1, priority=1, tenant="heavy"))
+        scheduler.add_request(request("light", 1, priority=1, tenant="light"))
+        scheduler.add_request(request("urgent", 1, priority=0, tenant="heavy"))
+        return scheduler, run(scheduler, runner, 3)
+
+    # The urgent request first, the light tenant's before the heavy one's older ones, two rows of 19 tokens a step.
+    by_priority, stepped = schedule(PriorityPolicy(max_batch_tokens=38))
+    assert stepped == [["light", "urgent"], ["heavy0", "heavy1"], ["heavy2"]]
+    assert by_priority.policy.by_priority and by_priority.max_batch_tokens == 38
+    fifo, stepped = schedule(FifoPolicy())
+    assert stepped == [["heavy0", "heavy1", "heavy2", "light"], ["urgent"], []]
+    assert not fifo.policy.by_priority and fifo.max_batch_tokens is None
+
+
 def decode_request(request_id, size):
     return DecodeRequest(request_id, Latents(torch.zeros(1), *size))
 
