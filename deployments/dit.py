@@ -11,7 +11,7 @@ from deployments import metrics
 from deployments.stage import StageDeployment
 from deployments.stages import Upstream, write_step_stream
 from omni_ray.config import LoraEntry, PipelineConfig
-from omni_ray.engine.builders import build_dit_core
+from omni_ray.engine.builders import build_dit_core, create_policy
 from omni_ray.engine.dit_load import DiTLoad
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.stats import EngineStats
@@ -30,9 +30,9 @@ class DiT(StageDeployment):
 
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_dit_core(config))
-        by_priority = config.dit.scheduling != "fifo"  # FIFO runs all work in arrival order, without a token budget
+        policy = create_policy(config.dit)  # what the scheduler's steps take: the load counts work the same way
         self.load = DiTLoad(lambda: self.engine.stats.core.step_fit, config.dit.max_batch_size,
-                            config.dit.max_batch_tokens if by_priority else None, by_priority)
+                            policy.max_batch_tokens, policy.by_priority)
         self.loras = LoraResidency.from_config(
             self.engine, config, on_load=lambda name: metrics.lora_loads.inc(tags={**self.tags, "adapter": name}))
 

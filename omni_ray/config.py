@@ -207,7 +207,7 @@ class DiTConfig(_StageConfig):
         description="priority: each step runs the most urgent requests (`priority`, aged by `priority_aging_s`), "
         "round robin over tenants, within `max_batch_tokens`; a running request that loses its row is paused at the "
         "step boundary and resumed later. fifo: oldest key first, requests in arrival order up to `max_batch_size` "
-        "(the scheduling before priorities; omni_ray/engine/dit_scheduler.py).",
+        "(the scheduling before priorities; omni_ray/engine/dit_policy.py).",
     )
     max_batch_tokens: PositiveInt | None = Field(
         None,

@@ -8,6 +8,7 @@ import torch
 
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.core import EngineCore
+from omni_ray.engine.dit_policy import PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.errors import EngineError
 from omni_ray.records import DenoiseParams, DenoiseRequest, PromptEmbeds
@@ -255,7 +256,8 @@ def test_a_request_paused_for_a_more_urgent_one_resumes_where_it_was_and_ends_as
         runner, requests, solo):
     """Preemption at a step boundary keeps the paused request's state in the runner: its latents are those of the
     same request never paused (each step of it ran alone both times, so equal exactly)."""
-    scheduler = DiTScheduler(max_batch_size=8, max_wait_steps=4, max_batch_tokens=1)  # one row a step
+    one_row_a_step = PriorityPolicy(max_batch_tokens=1)
+    scheduler = DiTScheduler(max_batch_size=8, max_wait_steps=4, policy=one_row_a_step)
     core = EngineCore(scheduler, runner)
     low = DenoiseRequest("low", dataclasses.replace(requests[3].params, priority=1), requests[3].prompt,
                          requests[3].negative)

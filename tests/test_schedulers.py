@@ -2,6 +2,7 @@
 
 import torch
 
+from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.records import (
@@ -174,12 +175,13 @@ class Clock:
 
 def test_a_step_takes_rows_within_its_token_budget_and_its_first_row_always():
     assert request("a", 1).work_tokens == 19 and request("a", 1, cfg=True).work_tokens == 38
-    scheduler, runner = DiTScheduler(max_batch_size=8, max_wait_steps=4, max_batch_tokens=40), FakeRunner()
+    scheduler = DiTScheduler(max_batch_size=8, max_wait_steps=4, policy=PriorityPolicy(max_batch_tokens=40))
+    runner = FakeRunner()
     for request_id in "abc":
         scheduler.add_request(request(request_id, 2))
     assert run(scheduler, runner, 4) == [["a", "b"], ["a", "b"], ["c"], ["c"]]
     assert scheduler.last_step_tokens == 19
-    big = DiTScheduler(max_batch_size=8, max_wait_steps=4, max_batch_tokens=20)
+    big = DiTScheduler(max_batch_size=8, max_wait_steps=4, policy=PriorityPolicy(max_batch_tokens=20))
     for request_id in "xy":
         big.add_request(request(request_id, 1, cfg=True))  # 38 tokens each: over the budget alone
     assert run(big, FakeRunner(), 2) == [["x"], ["y"]]
@@ -221,7 +223,7 @@ def test_rows_go_round_robin_over_tenants_so_a_flood_does_not_starve_a_light_ten
     assert run(scheduler, runner, 3) == [["heavy0", "light"], ["heavy0", "light"], ["heavy1", "light"]]
     assert runner.steps["heavy1"] == (2, 3)  # it went on from its second step
     assert run(scheduler, runner, 1) == [["heavy1", "heavy2"]]
-    fifo = DiTScheduler(max_batch_size=2, max_wait_steps=4, policy="fifo")
+    fifo = DiTScheduler(max_batch_size=2, max_wait_steps=4, policy=FifoPolicy())
     for i in range(4):
         fifo.add_request(request(f"heavy{i}", 1, tenant="heavy"))
     fifo.add_request(request("light", 1, tenant="light"))
@@ -230,7 +232,7 @@ def test_rows_go_round_robin_over_tenants_so_a_flood_does_not_starve_a_light_ten
 
 def test_waiting_ages_a_request_up_a_priority_level_every_aging_period_so_nothing_starves():
     clock = Clock()
-    scheduler = DiTScheduler(max_batch_size=1, max_wait_steps=100, aging_s=10, clock=clock)
+    scheduler = DiTScheduler(max_batch_size=1, max_wait_steps=100, policy=PriorityPolicy(aging_s=10), clock=clock)
     runner = FakeRunner()
     scheduler.add_request(request("batch", 1, priority=2))
     stepped = []
@@ -242,7 +244,7 @@ def test_waiting_ages_a_request_up_a_priority_level_every_aging_period_so_nothin
     assert stepped[:6] == [["urgent0"], ["urgent5"], ["urgent10"], ["urgent15"], ["batch"], ["urgent20"]]
     # Waiting behind requests as urgent as itself ages nothing: a flood of batch work never outranks an urgent request.
     clock.now = 0
-    flood = DiTScheduler(max_batch_size=1, max_wait_steps=100, aging_s=10, clock=clock)
+    flood = DiTScheduler(max_batch_size=1, max_wait_steps=100, policy=PriorityPolicy(aging_s=10), clock=clock)
     for i in range(3):
         flood.add_request(request(f"batch{i}", 5, priority=1))
     for _ in range(6):
@@ -253,7 +255,8 @@ def test_waiting_ages_a_request_up_a_priority_level_every_aging_period_so_nothin
 
 
 def test_no_new_request_is_admitted_while_more_than_max_paused_would_sit_out():
-    scheduler, runner = DiTScheduler(max_batch_size=1, max_wait_steps=100, max_paused=1), FakeRunner()
+    scheduler = DiTScheduler(max_batch_size=1, max_wait_steps=100, policy=PriorityPolicy(max_paused=1))
+    runner = FakeRunner()
     scheduler.add_request(request("low", 3, priority=2))
     run(scheduler, runner, 1)
     scheduler.add_request(request("mid", 3, priority=1))
@@ -265,12 +268,29 @@ def test_no_new_request_is_admitted_while_more_than_max_paused_would_sit_out():
 
 
 def test_fifo_ignores_priorities_and_budgets():
-    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4, max_batch_tokens=19, policy="fifo"), \
-        FakeRunner()
+    scheduler, runner = DiTScheduler(max_batch_size=2, max_wait_steps=4, policy=FifoPolicy()), FakeRunner()
     scheduler.add_request(request("first", 2, priority=5))
     scheduler.add_request(request("second", 2, priority=5))
     scheduler.add_request(request("urgent", 1, priority=0))
     assert run(scheduler, runner, 3) == [["first", "second"], ["first", "second"], ["urgent"]]
+
+
+def test_the_same_requests_run_by_priority_tenant_and_budget_under_one_policy_and_in_arrival_order_under_the_other():
+    def schedule(policy):
+        scheduler, runner = DiTScheduler(max_batch_size=4, max_wait_steps=4, policy=policy), FakeRunner()
+        for i in range(3):
+            scheduler.add_request(request(f"heavy{i}", 1, priority=1, tenant="heavy"))
+        scheduler.add_request(request("light", 1, priority=1, tenant="light"))
+        scheduler.add_request(request("urgent", 1, priority=0, tenant="heavy"))
+        return scheduler, run(scheduler, runner, 3)
+
+    # The urgent request first, the light tenant's before the heavy one's older ones, two rows of 19 tokens a step.
+    by_priority, stepped = schedule(PriorityPolicy(max_batch_tokens=38))
+    assert stepped == [["light", "urgent"], ["heavy0", "heavy1"], ["heavy2"]]
+    assert by_priority.policy.by_priority and by_priority.max_batch_tokens == 38
+    fifo, stepped = schedule(FifoPolicy())
+    assert stepped == [["heavy0", "heavy1", "heavy2", "light"], ["urgent"], []]
+    assert not fifo.policy.by_priority and fifo.max_batch_tokens is None
 
 
 def decode_request(request_id, size):

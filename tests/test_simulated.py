@@ -13,7 +13,9 @@ import torch
 from PIL import Image
 
 from omni_ray.config import load_config
+from omni_ray.engine.builders import build_dit_core
 from omni_ray.engine.core import EngineCore
+from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.vae_scheduler import VAEScheduler
 from omni_ray.pipeline import Pipeline
@@ -129,6 +131,14 @@ def test_the_simulated_preset_serves_real_shapes_through_the_request_path():
     assert [image.pixels.shape for image in images] == [(1328, 800, 3)] * 2
     assert images[0].latents.latents.shape == (83 * 50, 64)
     assert images[0].dit_passes == {"computed": 4, "reused": 0}
+
+
+def test_the_presets_dit_scheduling_becomes_the_policy_its_scheduler_is_given():
+    config = load_config(REPO / "stage_configs/qwen_image_sim.yaml")
+    dit = config.dit
+    assert build_dit_core(config).scheduler.policy == PriorityPolicy(4608, dit.max_paused, dit.priority_aging_s)
+    fifo = config.model_copy(update={"dit": dit.model_copy(update={"scheduling": "fifo"})})
+    assert build_dit_core(fifo).scheduler.policy == FifoPolicy()
 
 
 def test_the_async_engine_times_each_request_and_how_long_it_queued():

@@ -6,8 +6,9 @@ import logging
 
 import torch
 
-from omni_ray.config import PipelineConfig
+from omni_ray.config import DiTConfig, PipelineConfig
 from omni_ray.engine.core import DiTEngineCore, EngineCore
+from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.encoder_core import EncoderEngineCore
 from omni_ray.engine.prompt_cache import PromptCache
@@ -51,10 +52,16 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
     return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache)
 
 
+def create_policy(stage: DiTConfig) -> SchedulingPolicy:
+    """The policy ``dit.scheduling`` names, with the stage's token budget, pause bound and aging."""
+    if stage.scheduling == "fifo":
+        return FifoPolicy()
+    return PriorityPolicy(stage.max_batch_tokens, stage.max_paused, stage.priority_aging_s)
+
+
 def build_dit_core(config: PipelineConfig) -> DiTEngineCore:
     stage = config.dit
-    scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, stage.max_batch_tokens, stage.max_paused,
-                             stage.priority_aging_s, stage.scheduling)
+    scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, create_policy(stage))
     if stage.runner == "simulated":
         return DiTEngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,

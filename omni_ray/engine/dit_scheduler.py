@@ -2,24 +2,26 @@
 
 Every ``schedule()`` picks one batch key (image size, true CFG on or off, an edit's input image sizes) and the rows
 of that key the step runs. Admitted requests keep their state in the runner, so any of them can sit out a step and
-go on later from where it was: that is how keys take turns, and how a request is paused.
+go on later from where it was: that is how keys take turns, and how a request is paused. The scheduler is given a
+policy (omni_ray/engine/dit_policy.py) that sets each request's priority and tenant, how it ages, the token budget and
+the bound on pauses: ``PriorityPolicy``, or ``FifoPolicy`` (one priority and tenant for all, no budget, no bound, no
+aging: the oldest key's requests in arrival order, up to ``max_batch_size``).
 
-- **Key.** The key of the most urgent request: the lowest effective priority wins: ``priority``, less one level for
-  every ``aging_s`` seconds the request sat out steps that ran more urgent requests, so nothing starves behind a
-  flood of more urgent work (waiting behind requests as urgent as itself ages nothing: there, turns are fair). Among keys holding that priority the DiT stays on its current
-  key until another has waited ``max_wait_steps`` steps, then switches to the one that waited longest.
+- **Key.** The key of the most urgent request: the lowest effective priority wins: its priority, aged by the time
+  the request sat out steps that ran more urgent requests, so nothing starves behind a flood of more urgent work
+  (waiting behind requests as urgent as itself ages nothing: there, turns are fair). Among keys holding that
+  priority the DiT stays on its current key until another has waited ``max_wait_steps`` steps, then switches to the
+  one that waited longest.
 - **Rows.** The key's requests by effective priority; within a priority, each row goes to the tenant that has used
   the DiT least lately at that priority (its rows' tokens over recent steps, ``USAGE_HALFLIFE_STEPS``, plus those it
-  took in this step; a tenant's batch jobs do not slow its interactive requests), so
-  a tenant sending a tenth of another's requests gets its rows first and a flood shares the rest; a tenant's admitted
-  requests go before its waiting ones, oldest first. Rows are added while the step stays within ``max_batch_size`` requests and
-  ``max_batch_tokens`` tokens (``DenoiseRequest.work_tokens``; the first row always runs). A running request that
-  loses its row to a more urgent one, or to another tenant's turn, is paused: its state stays in the runner.
-- **Paused.** A step admits no new request while more than ``max_paused`` admitted ones would sit outside it: new
-  requests then wait in the queue, where they hold no state.
-
-``policy="fifo"`` is the scheduling before priorities: every request has the same priority and tenant, there is no
-token budget and no bound on pauses: the oldest key's requests in arrival order, up to ``max_batch_size``.
+  took in this step; a tenant's batch jobs do not slow its interactive requests), so a tenant sending a tenth of
+  another's requests gets its rows first and a flood shares the rest; a tenant's admitted requests go before its
+  waiting ones, oldest first. Rows are added while the step stays within ``max_batch_size`` requests and the
+  policy's ``max_batch_tokens`` tokens (``DenoiseRequest.work_tokens``; the first row always runs). A running
+  request that loses its row to a more urgent one, or to another tenant's turn, is paused: its state stays in the
+  runner.
+- **Paused.** A step admits no new request while more than the policy's ``max_paused`` admitted ones would sit
+  outside it: new requests then wait in the queue, where they hold no state.
 """
 
 from __future__ import annotations
@@ -28,13 +30,12 @@ import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
+from omni_ray.engine.dit_policy import PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
 from omni_ray.records import BatchKey, DenoiseBatch, DenoiseOutput, DenoiseRequest
 
-Policy = Literal["priority", "fifo"]
 USAGE_HALFLIFE_STEPS = 50
 
 
@@ -52,17 +53,13 @@ class _Entry:
 
 
 class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
-    def __init__(self, max_batch_size: int, max_wait_steps: int, max_batch_tokens: int | None = None,
-                 max_paused: int | None = None, aging_s: float | None = None, policy: Policy = "priority",
+    def __init__(self, max_batch_size: int, max_wait_steps: int, policy: SchedulingPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic):
+        """``policy`` unset: priorities and tenants with no token budget, no bound on pauses and no aging."""
         assert max_batch_size > 0 and max_wait_steps > 0
         self.max_batch_size = max_batch_size
         self.max_wait_steps = max_wait_steps
-        self.policy = policy
-        fifo = policy == "fifo"
-        self.max_batch_tokens = None if fifo else max_batch_tokens
-        self.max_paused = None if fifo else max_paused
-        self.aging_s = None if fifo else aging_s
+        self.policy = policy if policy is not None else PriorityPolicy()
         self.clock = clock
         self.entries: dict[str, _Entry] = {}  # every unfinished request, in arrival order
         self.last_served: dict[BatchKey, int] = {}  # key -> steps run when it last ran (its step included)
@@ -79,15 +76,18 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self.num_paused = 0  # admitted requests the last step did not run
         self.num_paused_steps = 0  # request-steps admitted requests sat out
 
+    @property
+    def max_batch_tokens(self) -> int | None:
+        """Work tokens one step may take, the policy's; None: no bound."""
+        return self.policy.max_batch_tokens
+
     # --- the scheduler contract ------------------------------------------------------------------------------------
 
     def add_request(self, request: DenoiseRequest) -> None:
         assert request.request_id not in self.entries, f"duplicate request id {request.request_id}"
-        fifo = self.policy == "fifo"
-        params = request.params
-        self.entries[request.request_id] = _Entry(
-            request, request.batch_key, request.work_tokens, 0 if fifo else params.priority,
-            "" if fifo else params.tenant, self.num_steps, self.num_arrivals)
+        priority, tenant = self.policy.priority_and_tenant(request)
+        self.entries[request.request_id] = _Entry(request, request.batch_key, request.work_tokens, priority, tenant,
+                                                  self.num_steps, self.num_arrivals)
         self.num_arrivals += 1
 
     def finish_requests(self, request_ids: list[str]) -> None:
@@ -101,7 +101,8 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         freed, self.freed_ids = self.freed_ids, []
         self._age()
         rows = self._plan(list(self.entries.values()))
-        if self.max_paused is not None and self._paused_after(rows) > self.max_paused:
+        max_paused = self.policy.max_paused
+        if max_paused is not None and self._paused_after(rows) > max_paused:
             rows = self._plan([e for e in self.entries.values() if e.admitted])  # the queue waits instead
         self.num_steps += 1
         if not rows:
@@ -109,10 +110,9 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
             self.last_step_tokens = self.num_paused = 0
             return DenoiseBatch(new_requests=[], request_ids=[], freed_ids=freed)
         rows.sort(key=lambda entry: entry.seq)
-        if self.aging_s is not None:
-            most_urgent = min(entry.priority for entry in rows)
-            ran = {id(entry) for entry in rows}
-            self.passed_over = [e for e in self.entries.values() if e.priority > most_urgent and id(e) not in ran]
+        most_urgent = min(entry.priority for entry in rows)
+        ran = {id(entry) for entry in rows}
+        self.passed_over = [e for e in self.entries.values() if e.priority > most_urgent and id(e) not in ran]
         new = [entry.request for entry in rows if not entry.admitted]
         decay = 0.5 ** (1 / USAGE_HALFLIFE_STEPS)
         self.usage = {who: used * decay for who, used in self.usage.items() if used * decay >= 1}
@@ -157,7 +157,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         """The step's rows among ``candidates``: one key, by urgency and tenant turns, within the budget."""
         if not candidates:
             return []
-        urgency = {id(entry): self._effective_priority(entry) for entry in candidates}
+        urgency = {id(entry): self.policy.effective_priority(entry.priority, entry.starved_s) for entry in candidates}
         key = self._pick_key(candidates, urgency)
         classes: dict[int, dict[str, deque[_Entry]]] = defaultdict(lambda: defaultdict(deque))
         for entry in sorted((e for e in candidates if e.key == key),
@@ -189,11 +189,6 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
             for entry in self.passed_over:
                 entry.starved_s += now - self.last_step_at
         self.last_step_at, self.passed_over = now, []
-
-    def _effective_priority(self, entry: _Entry) -> int:
-        if self.aging_s is None:
-            return entry.priority
-        return entry.priority - int(entry.starved_s // self.aging_s)
 
     def _pick_key(self, candidates: list[_Entry], urgency: dict[int, int]) -> BatchKey:
         """The current key while it holds the most urgent priority and no other key of that priority has waited
