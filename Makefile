@@ -46,7 +46,7 @@ else
 	$(PY) tools/guard_torchvision.py
 endif
 # serve run's start-up hook (deployments/run_hook.py): a stale cluster address dropped, SIGTERM a clean stop.
-	$(PY) -m omni_ray.serve.run_hook
+	$(PY) -m deployments.run_hook
 	touch $@
 
 $(TINY_DIR)/model_index.json: $(STAMP) omni_ray/checkpoints/tiny.py
