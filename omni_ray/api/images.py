@@ -195,7 +195,7 @@ def resize_image(image, height: int, width: int) -> np.ndarray:
 
 
 # PNG's deflate with zlib's run-length strategy: after PNG's row filters a photograph leaves few repeats for deflate's
-# match search to find, and the search is most of Pillow's default cost (the README has the figures).
+# match search to find, and the search is most of Pillow's default cost (docs/api.md has the figures).
 _PNG_OPTIONS = {"compress_type": zlib.Z_RLE}
 
 

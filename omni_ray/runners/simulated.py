@@ -5,7 +5,7 @@ real sizes on any machine (``runner: simulated`` in a preset; ``stage_configs/qw
 Each stands exactly where its real runner stands: ``SimulatedEncoder`` under the encoder's engine core (vLLM's
 ``EngineCore`` interface: add, abort, step), ``SimulatedDenoiser`` and ``SimulatedVae`` under ``EngineCore`` with
 the DiT's and the VAE's schedulers. The VAE's pixels are photo-like (smooth colour fields, texture and noise), so
-that a PNG of them costs what a generated image's costs (see the README's load figures).
+that a PNG of them costs what a generated image's costs (docs/benchmarks.md, load tests).
 """
 
 from __future__ import annotations
