@@ -12,9 +12,8 @@ import hmac
 import os
 from collections.abc import Iterable, Mapping
 
+from omni_ray import env
 from omni_ray.errors import AuthenticationError
-
-ENV = "OMNI_RAY_API_KEY"
 
 
 class ApiKeys:
@@ -25,8 +24,8 @@ class ApiKeys:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ApiKeys:
-        """The keys ``OMNI_RAY_API_KEY`` names (commas between keys; blanks around them dropped)."""
-        return cls(key.strip() for key in environ.get(ENV, "").split(",") if key.strip())
+        """The keys ``OMNI_RAY_API_KEY`` names (``env.api_keys``)."""
+        return cls(env.api_keys(environ))
 
     @property
     def required(self) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import pathlib
 import urllib.error
 import urllib.request
@@ -25,6 +24,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from omni_ray import env
 from omni_ray.errors import EngineError, RequestError
 
 APP_NAME = "omni-ray"
@@ -60,7 +60,7 @@ class Client:
         """A client of the app's HTTP API; ``api_key`` (by default ``OMNI_RAY_API_KEY``'s first key, if set) for a
         server that needs one."""
         base_url = base_url.rstrip("/")
-        api_key = api_key or os.environ.get("OMNI_RAY_API_KEY", "").split(",")[0].strip() or None
+        api_key = api_key or next(iter(env.api_keys()), None)
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
         def post(body: dict, uploads: Uploads | None):
