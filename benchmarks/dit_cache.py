@@ -77,7 +77,7 @@ def worker(steps: int, num_requests: int, repeats: int) -> dict:
                                            embeds[i], negative))
         done = {}
         while dit.has_unfinished_requests():
-            done.update({o.request_id: o.pooling_output for o in dit.step() if o.finish_reason == "stop"})
+            done.update({o.request_id: o.result for o in dit.step() if o.finish_reason == "stop"})
         return time.perf_counter() - start, {i: done[ids[i]] for i in indices}
 
     def one_at_a_time(setting) -> tuple[float, list]:

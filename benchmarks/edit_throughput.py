@@ -35,7 +35,7 @@ NEGATIVE = "blurry, low quality"
 def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
     from diffusers.utils import logging as diffusers_logging
 
-    from omni_ray.api.images import load_input_image
+    from omni_ray.api.images import load_input_images
     from omni_ray.checkpoints.tiny import write_checkpoint
     from omni_ray.config import load_config
     from omni_ray.pipeline import Pipeline
@@ -56,7 +56,7 @@ def worker(batches: list[int], steps: int, repeats: int, area: int) -> dict:
         buffer = io.BytesIO()
         photo.save(buffer, format="PNG")
         files.append(buffer.getvalue())
-    images = [load_input_image(data, config) for data in files]
+    images = [load_input_images([data], config).vae[0] for data in files]
     height, width = images[0].shape[:2]
 
     diffusers_logging.set_verbosity_error()

@@ -44,7 +44,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, per t
 
 
 def dit_flops(height: int, width: int, text_tokens: int, passes: int) -> float:
-    """The DiT forward's FLOPs (DESIGN.md's formula) for ``passes`` rows of one image."""
+    """The DiT forward's FLOPs (``runners.gpu_costs.dit_pass_flops``) for ``passes`` rows of one image."""
     return passes * dit_pass_flops(image_tokens(height, width) + text_tokens)
 
 
@@ -148,9 +148,9 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
 
     from omni_ray.records import DenoiseParams, Latents, PromptEmbeds
     from omni_ray.runners.attention import use_real_rope
-    from omni_ray.runners.decode import VaeRunner
     from omni_ray.runners.denoise import DenoiseRunner, compile_blocks
     from omni_ray.runners.quantization import quantize_fp8
+    from omni_ray.runners.vae import VaeRunner
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try the script at a few layers
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

@@ -65,8 +65,8 @@ def run(size: str, width: int, height: int, batches: list[int], repeats: int) ->
     from benchmarks.engine_throughput import machine
     from omni_ray.qwen_image import LATENT_CHANNELS, image_tokens
     from omni_ray.records import Latents
-    from omni_ray.runners.decode import VaeRunner
     from omni_ray.runners.packing import unpack_latents
+    from omni_ray.runners.vae import VaeRunner
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vae = load_vae(size, device)

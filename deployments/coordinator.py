@@ -1,9 +1,10 @@
 """The CrossEngineCoordinator: the app's ingress deployment, where every request's way through the app starts.
 
 For each request it
-1. checks the caller's API key and that the preset serves the route (``authorize``, ``check_route``);
+1. checks the caller's API key (``authorize``);
 2. reads the body, and decodes and resizes an edit's images off the event loop, a few requests at a time;
-3. plans it once: validated, sizes resolved, seeds assigned, true CFG decided (``api.planning.plan_request``);
+3. plans it once: the route checked, the body validated, sizes resolved, seeds assigned, true CFG decided
+   (``api.planning.plan_request``);
 4. admits it, or refuses it at once (503, ``Retry-After``) when the DiT would finish it past its deadline;
 5. runs it on the one request path (``request_path.run_request``, shared with the in-process pipeline): the
    stages chained by reference over ``deployments.stages.ServeStages``, ``n`` images fanned out, lost stage calls
@@ -40,8 +41,8 @@ from deployments.http.page import WEB_FILES, page_html
 from deployments.http.routes import build_api
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
 from deployments.stages import ServeStages
-from omni_ray.api.images import load_input_images, load_masked_input, write_image_file
-from omni_ray.api.planning import GenerationPlan, check_route, plan_request, resolve_size
+from omni_ray.api.images import load_inputs, write_image_file
+from omni_ray.api.planning import GenerationPlan, check_route, plan_request, requested_size
 from omni_ray.api.responses import (
     completed_event,
     error_body,
@@ -53,7 +54,7 @@ from omni_ray.api.responses import (
 )
 from omni_ray.api.schema import ImageGenerationRequest, parse_request
 from omni_ray.config import EditConfig, PipelineConfig
-from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError, RequestError
+from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError
 from omni_ray.records import Decoded
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
 from omni_ray.tokenizer import PromptTokenizer
@@ -111,7 +112,6 @@ class CrossEngineCoordinator:
     async def generations(self, request: Request) -> Response:
         with self._counting_errors():
             tenant = self.authorize(request)
-            check_route(self.config, has_image=False)  # before the body: a wrong route is told which is right
             body = await bodies.json_body(request)
         return await self.respond(await self.plan(body, tenant=tenant), request)
 
@@ -119,10 +119,11 @@ class CrossEngineCoordinator:
         with self._counting_errors():
             tenant = self.authorize(request)
             if self.config.edit is None and not request.headers.get("content-type", "").startswith("multipart/"):
-                check_route(self.config, has_image=True)  # no upload at all: told which route is right
+                check_route(self.config, has_image=True)  # no upload at all: told which route is right (planning
+                # checks every other request's route)
             edit = self.config.edit or EditConfig()  # a text-to-image preset takes one image and a mask to inpaint
             limit = bodies.MAX_BODY_BYTES + (edit.max_images + 1) * edit.max_image_bytes  # the images and a mask
-            fields, images, mask = await bodies.edit_form(request, limit, edit.max_images)
+            fields, images, mask = await bodies.edit_form(request, limit)
             body = parse_request(fields, form=True)
         return await self.respond(await self.plan(body, images, tenant, mask), request)  # []: "image: required"
 
@@ -195,25 +196,17 @@ class CrossEngineCoordinator:
         requests at a time. ``tenant`` (the caller's API key's name) replaces the body's ``user`` as whom the DiT
         shares its steps between."""
         with self._counting_errors():
-            inputs = None
             files = [bytes(image)] if isinstance(image, (bytes, bytearray, memoryview)) else \
                 [bytes(item) for item in image] if image is not None else None
-            if files is not None:
-                check_route(self.config, has_image=True, has_mask=mask is not None)  # before decoding anything
-            if mask is not None:
-                request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
-                size = resolve_size(request, self.config)  # text-to-image inpainting's output size
-                if len(files or ()) > 1:
-                    raise RequestError("image: a masked edit takes one image", param="image")
+            inputs = size = None
+            if mask is not None:  # a masked edit is prepared at the size the request names
+                body = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
+                size = requested_size(body, self.config)
+            if files is not None or mask is not None:
                 async with self.image_slots:
-                    inputs = await asyncio.to_thread(load_masked_input, files[0] if files else b"", mask,
-                                                     self.config, size)
-                body = request
-            elif files is not None and self.config.edit is not None:
-                async with self.image_slots:
-                    inputs = await asyncio.to_thread(load_input_images, files, self.config)
+                    inputs = await asyncio.to_thread(load_inputs, files, mask, self.config, size)
             plan = plan_request(body, self.config, self.tokenizer.num_tokens, inputs,
-                                await self.adapters.for_request(body), has_image=image is not None)
+                                await self.adapters.for_request(body), has_image=files is not None)
             if tenant is not None:
                 plan = dataclasses.replace(plan, tenant=tenant)
             await self._admit(plan)

@@ -281,14 +281,14 @@ class ImageEncodeRequest:
         return ("encode", *self.image.shape[:2])
 
 
-VAERequest = DecodeRequest | ImageEncodeRequest
+VaeRequest = DecodeRequest | ImageEncodeRequest
 
 
 @dataclass(slots=True)
-class DecodeBatch:
+class VaeBatch:
     """One engine step's work: same-key requests run in one VAE call (the VAE scheduler's output)."""
 
-    requests: list[VAERequest]  # one batch key: all decodes of one size, or all image encodes of one size
+    requests: list[VaeRequest]  # one batch key: all decodes of one size, or all image encodes of one size
 
     @property
     def request_ids(self) -> list[str]:
@@ -306,7 +306,7 @@ class Decoded:
 
 
 @dataclass(slots=True)
-class DecodeOutput:
+class VaeOutput:
     """What one engine step produced (the runner's output)."""
 
     finished: dict[str, Decoded | Latents] = field(default_factory=dict)  # request id -> result (Latents for an

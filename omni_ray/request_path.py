@@ -174,24 +174,6 @@ async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
     return [results[index] for index in sorted(results)]
 
 
-def denoise_params(plan: GenerationPlan, index: int) -> DenoiseParams:
-    """Image ``index``'s DiT parameters: its seed is the request's plus ``index``; a streamed request's
-    ``partial_images`` previews come after steps spread evenly before the last (of those a masked edit runs)."""
-    request = plan.request
-    first = plan.num_inference_steps - plan.steps_run  # a masked edit skips the schedule's first steps
-    previews = preview_steps(request.partial_images if request.stream else 0, plan.steps_run)
-    return DenoiseParams(
-        plan.height, plan.width, plan.num_inference_steps, plan.seed + index, plan.true_cfg_scale, plan.cache,
-        plan.lora, tuple(first + step for step in previews), true_cfg=plan.true_cfg, priority=request.priority,
-        tenant=plan.tenant, scheduler=plan.scheduler, inpaint=plan.inpaint,
-    )
-
-
-def preview_steps(count: int, num_steps: int) -> tuple[int, ...]:
-    """``count`` distinct steps in 1..num_steps-1, evenly spread (fewer when there are fewer steps than that)."""
-    return tuple(sorted({max(1, round(num_steps * (i + 1) / (count + 1))) for i in range(count)} - {num_steps}))
-
-
 class _SharedInputs:
     """The stage calls every image of a request shares: the prompt's encoding and, for an edit, its input images'
     latents (each image stored once, and once for both stages when the encoder reads the VAE's). A lost one is
@@ -263,7 +245,7 @@ async def _run_image(
     retries = 0
     previews = start = None
     try:
-        params = denoise_params(plan, index)
+        params = plan.denoise_params(index)
         previews = _Previews(stages, index, emit, len(params.previews))
         start = inputs.encode_start(image_id, params.seed) if inputs.masked else None
         while True:

@@ -13,5 +13,5 @@ def run_to_completion(core, max_steps=50):
             break
         outputs = core.step()
         batches.append(sorted({o.request_id for o in outputs}))
-        results.update({o.request_id: o.pooling_output for o in outputs if o.finish_reason == "stop"})
+        results.update({o.request_id: o.result for o in outputs if o.finish_reason == "stop"})
     return results, batches

@@ -38,9 +38,9 @@ from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.engine.encoder_core import to_prompt_embeds
 from omni_ray.qwen_image import TEXT_TO_IMAGE, PromptTemplate, uses_true_cfg
 from omni_ray.records import DenoiseParams, PromptEmbeds
-from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner, DenoiseState
 from omni_ray.runners.transformers_encoder import last_hidden_states
+from omni_ray.runners.vae import VaeRunner
 from omni_ray.runners.vision import VisionInputs
 from omni_ray.tokenizer import PromptTokenizer
 
@@ -145,15 +145,19 @@ def reference_edit_plus(pipe: QwenImageEditPlusPipeline, edit: EditConfig, image
 
 
 def reference_masked(pipe, image: Image.Image, repaint: Image.Image, seed: int, image_area: int | None = None,
-                     **kwargs) -> np.ndarray:
+                     dimensions: tuple[int, int] | None = None, **kwargs) -> np.ndarray:
     """uint8 ``[H, W, 3]``: diffusers' inpaint pipeline ``pipe`` (QwenImageInpaintPipeline; or
-    QwenImageEditInpaintPipeline, its working area set to ``image_area``) on ``image``, repainting where
-    ``repaint`` (diffusers' mask image) is white."""
+    QwenImageEditInpaintPipeline, its working area set to ``image_area``, or its dimensions, which it edits and
+    draws at, to ``dimensions`` (height, width)) on ``image``, repainting where ``repaint`` (diffusers' mask image)
+    is white."""
     patch = contextlib.nullcontext()
     if image_area is not None:
         calculate = pipeline_qwenimage_edit_inpaint.calculate_dimensions
         patch = mock.patch.object(pipeline_qwenimage_edit_inpaint, "calculate_dimensions",
                                   lambda _, ratio: calculate(image_area, ratio))
+    if dimensions is not None:
+        patch = mock.patch.object(pipeline_qwenimage_edit_inpaint, "calculate_dimensions",
+                                  lambda _, ratio: (dimensions[1], dimensions[0], None))
     with patch:
         pixels = pipe(image=image, mask_image=repaint, generator=torch.Generator("cpu").manual_seed(seed),
                       output_type="np", **kwargs)

@@ -49,7 +49,7 @@ def encode_all(core, requests) -> tuple[dict, int]:
         core.add_request(request)
     results, steps = {}, 0
     while core.has_unfinished_requests():
-        results.update({o.request_id: o.pooling_output for o in core.step()})
+        results.update({o.request_id: o.result for o in core.step()})
         steps += 1
     return results, steps
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import yaml
-
 from conftest import REPO
 
 DOCS = REPO / "docs"

@@ -69,7 +69,7 @@ def test_a_reduced_dummy_app_runs_every_stage_and_returns_an_image(reduced):
 @pytest.mark.vllm  # the encoder is vLLM's, with its vision tower, in this process
 def test_a_reduced_dummy_edit_app_edits_an_image(tmp_path):
     """Qwen-Image-Edit's layout without weights: vLLM's dummy load format builds the vision tower too."""
-    from omni_ray.api.images import load_input_image
+    from omni_ray.api.images import load_input_images
     from omni_ray.pipeline import Pipeline
     from testing.reference import source_image
     from testing.serving import file_bytes as png
@@ -82,7 +82,7 @@ def test_a_reduced_dummy_edit_app_edits_an_image(tmp_path):
     config = parse_config({**edit, "name": "qwen-image-edit-dummy-1-layer", "model": str(model), "weights": "dummy"})
     pipeline = Pipeline(config)
     try:
-        pixels = load_input_image(png(source_image(180, 100, seed=2)), config)
+        pixels = load_input_images([png(source_image(180, 100, seed=2))], config).vae[0]
         body = {"prompt": "make the disc blue", "negative_prompt": "blurry", "seed": 3, "num_inference_steps": 2}
         (image,) = asyncio.run(pipeline.generate(body, pixels))
     finally:

@@ -9,18 +9,18 @@ import torch
 from conftest import REPO
 from PIL import Image
 
-from omni_ray.api.images import load_input_image, working_size
+from omni_ray.api.images import load_input_images, working_size
 from omni_ray.api.planning import plan_request
 from omni_ray.api.schema import parse_request
 from omni_ray.config import ConfigError, load_config
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
-from omni_ray.engine.vae_scheduler import VAEScheduler
+from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.errors import PayloadTooLargeError, RequestError
 from omni_ray.qwen_image import EDIT
 from omni_ray.records import DecodeRequest, DenoiseParams, DenoiseRequest, ImageEncodeRequest
-from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner
+from omni_ray.runners.vae import VaeRunner
 from testing.reference import PromptEncoder, ReferencePipeline, load_reference, reference_edit, source_image
 from testing.serving import file_bytes as png
 
@@ -55,7 +55,7 @@ CASES = {
 def test_edits_match_diffusers_within_one_level(config, reference, local, case):
     width, height, negative, size = CASES[case]
     source = source_image(width, height, seed=len(case))
-    pixels = load_input_image(png(source), config)
+    pixels = load_input_images([png(source)], config).vae[0]
     work_height, work_width = working_size(width, height, config.edit.image_area)
     assert pixels.shape == (work_height, work_width, 3)
     out_height, out_width = size or (work_height, work_width)
@@ -74,7 +74,7 @@ def test_edits_match_diffusers_within_one_level(config, reference, local, case):
 def test_the_input_image_steers_the_edit(config, local):
     edits = [
         local.generate(["make it red"], seeds=[0], height=96, width=160, num_inference_steps=2,
-                       image=load_input_image(png(source_image(180, 100, seed)), config))[0]
+                       image=load_input_images([png(source_image(180, 100, seed))], config).vae[0])[0]
         for seed in (1, 2)
     ]
     # A random model barely listens to its conditioning, but a different input image moves pixels by more than the
@@ -86,7 +86,7 @@ def test_diffusers_as_pinned_drops_mrope_for_the_image(config, edit_dir, referen
     """The reason the reference passes mm_token_type_ids (see omni_ray/reference.py): without them the embeddings of
     every token after the first image token differ. Ours are transformers' with M-RoPE, exactly."""
     source = source_image(180, 100, seed=0)
-    resized = Image.fromarray(load_input_image(png(source), config))
+    resized = Image.fromarray(load_input_images([png(source)], config).vae[0])
     with_mrope, _ = reference.encode_prompt("make it red", image=resized, device="cpu")
     plain, _ = load_reference(edit_dir, token_types=False).encode_prompt("make it red", image=resized, device="cpu")
     ours = PromptEncoder(str(edit_dir), template=EDIT).encode(["make it red"], (np.asarray(resized),))[0].embeds
@@ -98,16 +98,16 @@ def test_diffusers_as_pinned_drops_mrope_for_the_image(config, edit_dir, referen
 
 def test_vae_encodes_same_size_images_together_as_diffusers_does(config, edit_dir, reference):
     runner = VaeRunner.load(str(edit_dir))
-    images = [load_input_image(png(source_image(w, h, seed)), config) for seed, (w, h) in
+    images = [load_input_images([png(source_image(w, h, seed))], config).vae[0] for seed, (w, h) in
               enumerate([(180, 100), (200, 110), (120, 240)])]
     assert images[0].shape == images[1].shape != images[2].shape
-    core = EngineCore(VAEScheduler(max_batch_size=4), runner)
+    core = EngineCore(VaeScheduler(max_batch_size=4), runner)
     for i, image in enumerate(images):
         core.add_request(ImageEncodeRequest(f"e{i}", image))
     core.add_request(DecodeRequest("d", runner.encode([images[0]])[0]))
     steps = [core.step() for _ in range(3)]
     assert [[o.request_id for o in step] for step in steps] == [["e0", "e1"], ["e2"], ["d"]]
-    results = {o.request_id: o.pooling_output for step in steps for o in step}
+    results = {o.request_id: o.result for step in steps for o in step}
     for i, image in enumerate(images):
         height, width = image.shape[:2]
         pixels = reference.image_processor.preprocess(Image.fromarray(image), height, width).unsqueeze(2)
@@ -122,8 +122,8 @@ def test_dit_batches_edits_of_one_key_and_keeps_each_result(config, edit_dir):
     encoder = PromptEncoder(str(edit_dir), template=EDIT)
     vae = VaeRunner.load(str(edit_dir))
     runner = DenoiseRunner.load(str(edit_dir))
-    wide = [load_input_image(png(source_image(180, 100, seed)), config) for seed in range(3)]
-    tall = load_input_image(png(source_image(120, 240, 9)), config)
+    wide = [load_input_images([png(source_image(180, 100, seed))], config).vae[0] for seed in range(3)]
+    tall = load_input_images([png(source_image(120, 240, 9))], config).vae[0]
 
     def edit(request_id, image, prompt, seed, steps=2):
         return DenoiseRequest(request_id, DenoiseParams(96, 96, steps, seed), encoder.encode([prompt], (image,))[0],
@@ -144,7 +144,7 @@ def test_dit_batches_edits_of_one_key_and_keeps_each_result(config, edit_dir):
         while core.has_unfinished_requests():
             outputs = core.step()
             steps.append(sorted(o.request_id for o in outputs))
-            results.update({o.request_id: o.pooling_output for o in outputs if o.finish_reason == "stop"})
+            results.update({o.request_id: o.result for o in outputs if o.finish_reason == "stop"})
         return results, steps
 
     together, steps = run(requests)
@@ -160,7 +160,7 @@ def test_dit_batches_edits_of_one_key_and_keeps_each_result(config, edit_dir):
 
 
 def test_an_image_is_resized_to_its_working_size(config):
-    pixels = load_input_image(png(source_image(180, 100, 0), "JPEG"), config)
+    pixels = load_input_images([png(source_image(180, 100, 0), "JPEG")], config).vae[0]
     assert pixels.shape == (96, 160, 3) and pixels.dtype == np.uint8
     assert working_size(1024, 1024, 1024 * 1024) == (1024, 1024)
     assert working_size(1920, 1080, 1024 * 1024) == (768, 1376)  # diffusers' calculate_dimensions for 16:9
@@ -176,12 +176,12 @@ def test_camera_jpegs_with_several_pictures_are_taken(config):
     buffer = io.BytesIO()
     source_image(180, 100, 0).save(buffer, format="MPO", save_all=True, append_images=[source_image(180, 100, 1)])
     assert Image.open(io.BytesIO(buffer.getvalue())).format == "MPO"
-    assert load_input_image(buffer.getvalue(), config).shape == (96, 160, 3)
+    assert load_input_images([buffer.getvalue()], config).vae[0].shape == (96, 160, 3)
 
 
 BAD_IMAGES = {
     "missing": (None, RequestError, "required"),
-    "empty": (b"", RequestError, "required"),
+    "empty": (b"", RequestError, "an empty file"),
     "not an image": (b"%PDF-1.4 definitely not pixels" * 10, RequestError, "not a readable image"),
     "truncated PNG": (truncated("PNG"), RequestError, "corrupt or truncated"),
     "JPEG cut in its header": (truncated("JPEG", 200), RequestError, "corrupt or truncated"),
@@ -195,14 +195,14 @@ BAD_IMAGES = {
 def test_bad_images_are_refused_naming_the_field(config, case):
     data, error, message = BAD_IMAGES[case]
     with pytest.raises(error, match=message) as info:
-        load_input_image(data, config)
+        load_input_images([data] if data is not None else [], config)
     assert info.value.param == "image" and info.value.status_code == 400
 
 
 def test_an_oversized_image_is_a_413(config):
     small = config.model_copy(update={"edit": config.edit.model_copy(update={"max_image_bytes": 1000})})
     with pytest.raises(PayloadTooLargeError, match="the limit is 1000") as info:
-        load_input_image(png(source_image(180, 100, 0)), small)
+        load_input_images([png(source_image(180, 100, 0))], small)
     assert info.value.param == "image" and info.value.status_code == 413
 
 
@@ -230,7 +230,7 @@ def test_edit_plans_take_form_fields_and_count_the_image_tokens(config, edit_dir
     from omni_ray.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(str(edit_dir), EDIT)
-    pixels = load_input_image(png(source_image(180, 100, 0)), config)
+    pixels = load_input_images([png(source_image(180, 100, 0))], config).vae[0]
     form = {"prompt": "make it red", "n": "2", "seed": "7", "true_cfg_scale": "3", "negative_prompt": "dark",
             "stream": "false"}
     plan = plan_request(parse_request(form, form=True), config, tokenizer.num_tokens, pixels)

@@ -11,7 +11,7 @@ from conftest import REPO, encode_all
 from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-from omni_ray.api.images import load_input_image
+from omni_ray.api.images import load_input_images
 from omni_ray.config import load_config
 from omni_ray.engine.builders import build_encoder_core
 from omni_ray.pipeline import Pipeline
@@ -39,7 +39,7 @@ def pipeline(config):
 def working_image(config, name: str, seed: int = 0) -> np.ndarray:
     buffer = io.BytesIO()
     source_image(*SOURCES[name], seed).save(buffer, format="PNG")
-    return load_input_image(buffer.getvalue(), config)
+    return load_input_images([buffer.getvalue()], config).vae[0]
 
 
 def test_vision_embeddings_match_transformers_qwen2_5_vl(pipeline, config, edit_dir):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from omni_ray.records import DenoiseParams, LoraRef, PromptEmbeds
-from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.lora import read_lora
+from omni_ray.runners.vae import VaeRunner
 from testing.engines import TOLERANCE
 from testing.lora_files import make_adapter
 

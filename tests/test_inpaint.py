@@ -97,6 +97,33 @@ def test_masked_edits_equal_diffusers_edit_inpainting_within_one_level(edit_dir)
                               image_area=config.edit.image_area)
 
 
+def test_a_masked_edit_at_a_named_size_equals_diffusers_edit_inpainting_at_that_size(edit_dir):
+    """OpenAI's client names a size with a mask; diffusers' edit inpaint pipeline edits and draws at its dimensions,
+    so the image and the mask are prepared at the size the request names (here not the image's working size)."""
+    from diffusers import QwenImageEditInpaintPipeline
+
+    from testing.coordinator import coordinator
+
+    config = load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir))
+    source, repaint = source_image(*SOURCE, seed=4), disc(*SOURCE)
+    body = {"prompt": "a red ball", "negative_prompt": "blurry", "num_inference_steps": 5, "seed": 9,
+            "size": "128x96"}
+    planned = asyncio.run(coordinator(config).plan(body, png(source), mask=openai_mask(repaint)))  # the API's path
+    assert (planned.height, planned.width) == planned.inputs.vae[0].shape[:2] == (96, 128)
+    assert planned.inputs.mask.shape == (96 // 8, 128 // 8)
+    pipeline = Pipeline(config)
+    try:
+        (result,) = asyncio.run(pipeline.generate(body, planned.inputs))
+    finally:
+        pipeline.shutdown()
+    reference = load_reference(edit_dir, pipeline=QwenImageEditInpaintPipeline)
+    expected = reference_masked(reference, source, diffusers_mask(repaint), seed=9, dimensions=(96, 128),
+                                prompt="a red ball", negative_prompt="blurry", true_cfg_scale=4.0,
+                                num_inference_steps=5, strength=INPAINT_STRENGTH)
+    assert result.pixels.shape == expected.shape == (96, 128, 3)
+    assert np.abs(result.pixels.astype(int) - expected.astype(int)).max() <= 1
+
+
 def bad_mask(config, mask: bytes, image: bytes | None = None, size=(64, 96)):
     with pytest.raises(RequestError) as info:
         load_masked_input(image or png(source_image(*SOURCE, 0)), mask, config, size)
@@ -132,7 +159,7 @@ def test_every_bad_mask_is_refused_naming_mask(tiny_dir, edit_dir, edit_plus_dir
     with pytest.raises(RequestError, match="strength: only with a `mask`") as info:
         plan_request({"prompt": "x", "strength": 0.5}, config, image=as_rgba.vae[0])
     assert info.value.param == "strength"
-    with pytest.raises(RequestError, match="size: a masked edit's output is its image's working size") as info:
+    with pytest.raises(RequestError, match="size: 64x64, but the masked edit's image was prepared at 160x96") as info:
         plan_request({"prompt": "x", "size": "64x64"}, config, image=as_rgba)
     assert info.value.param == "size"
     text_to_image = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))

@@ -1,4 +1,4 @@
-"""The layers import one way (DESIGN.md's table): no import cycle in either package; nothing under omni_ray/ imports
+"""The layers import one way (docs/development.md's table): no import cycle in either package; nothing under omni_ray/ imports
 Ray but the Python client's Ray transport (``deployments/`` is the Serve layer); the request path and the API import
 with torch, model code and Ray all unavailable; the scheduler and request-path tests load no model code; loading a
 preset writes nothing."""

@@ -94,7 +94,7 @@ def test_a_request_with_an_adapter_equals_diffusers_load_lora_weights(tiny_dir, 
 def test_edits_take_adapters_too(edit_dir, tmp_path):
     """The edit preset's DiT (the input image's tokens beside the noisy ones) with an adapter equals diffusers'
     QwenImageEditPipeline after load_lora_weights."""
-    from omni_ray.api.images import load_input_image
+    from omni_ray.api.images import load_input_images
     from testing.reference import load_reference, reference_edit, source_image
     from testing.serving import file_bytes as png
 
@@ -105,7 +105,7 @@ def test_edits_take_adapters_too(edit_dir, tmp_path):
     pipeline = Pipeline(config)
     try:
         body = {"prompt": "make the disc blue", "negative_prompt": "blurry", "num_inference_steps": 3, "seed": 5}
-        pixels = load_input_image(png(source), config)
+        pixels = load_input_images([png(source)], config).vae[0]
         (ours,) = asyncio.run(pipeline.generate({**body, "model": "E", "lora_scale": 0.9}, pixels))
         (base,) = asyncio.run(pipeline.generate(body, pixels))
     finally:

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from omni_ray.api.planning import preview_steps
 from omni_ray.config import load_config
-from omni_ray.request_path import ImageDone, ImagePreview, Progress, preview_steps
+from omni_ray.request_path import ImageDone, ImagePreview, Progress
 
 
 def test_preview_steps_are_spread_before_the_last():

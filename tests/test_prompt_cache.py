@@ -69,7 +69,7 @@ def test_a_repeated_prompt_skips_vllm_and_returns_the_same_embeddings(tiny_dir):
                 outputs = core.step()
                 steps += 1
             assert [o.request_id for o in outputs] == [request.request_id]
-            return outputs[0].pooling_output, steps, time.perf_counter() - start
+            return outputs[0].result, steps, time.perf_counter() - start
 
         first, _, cold_s = encode(EncodeRequest("a", "a red cat on a mat", "blurry"))
         assert core.num_encoded == 2 and (core.cache.num_hits, core.cache.num_misses) == (0, 2)
@@ -95,7 +95,7 @@ def test_a_repeated_prompt_skips_vllm_and_returns_the_same_embeddings(tiny_dir):
         assert len(core.sequences) == 1
         results = {}
         while core.has_unfinished_requests():
-            results.update({o.request_id: o.pooling_output for o in core.step()})
+            results.update({o.request_id: o.result for o in core.step()})
         assert sorted(results) == ["f", "g"] and core.num_encoded == 5
         assert torch.equal(results["f"].prompt.embeds, results["g"].prompt.embeds)
         assert results["f"].prompt.embeds.data_ptr() != results["g"].prompt.embeds.data_ptr()

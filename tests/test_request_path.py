@@ -11,6 +11,7 @@ from omni_ray.api.planning import GenerationPlan
 from omni_ray.api.schema import parse_request
 from omni_ray.config import RequestLimits
 from omni_ray.errors import DeadlineExceededError, EngineError, OverloadedError, StageCall, StageLostError
+from omni_ray.qwen_image import uses_true_cfg
 from omni_ray.records import Inpaint, InputImages
 from omni_ray.request_path import Failed, ImageDone, Progress, collect, run_request
 from testing.fake_stages import FakeStages
@@ -20,8 +21,9 @@ LIMITS = RequestLimits(default_width=64, default_height=64, min_side=32, max_sid
 
 def plan(image=None, timeout_s=5.0, **body):
     inputs = InputImages.of(image) if image is not None else None
-    return GenerationPlan(parse_request({"prompt": "a cat", **body}), 64, 64, 2, seed=10, inputs=inputs,
-                          timeout_s=timeout_s)
+    request = parse_request({"prompt": "a cat", **body})
+    true_cfg = uses_true_cfg(request.true_cfg_scale, request.negative_prompt is not None)
+    return GenerationPlan(request, 64, 64, 2, seed=10, true_cfg=true_cfg, inputs=inputs, timeout_s=timeout_s)
 
 
 def run(stages, request, limits=LIMITS, output="pixels"):

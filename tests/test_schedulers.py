@@ -4,10 +4,9 @@ import torch
 
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
-from omni_ray.engine.vae_scheduler import VAEScheduler
+from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.records import (
     Decoded,
-    DecodeOutput,
     DecodeRequest,
     DenoiseBatch,
     DenoiseOutput,
@@ -15,6 +14,7 @@ from omni_ray.records import (
     DenoiseRequest,
     Latents,
     PromptEmbeds,
+    VaeOutput,
 )
 
 SQUARE, WIDE = (64, 64), (64, 96)
@@ -96,7 +96,7 @@ def test_new_requests_join_at_step_boundaries():
     ids, outputs = step(scheduler, runner)
     assert ids == ["a", "b"]
     assert sorted(o.request_id for o in outputs if o.finished) == ["a", "b"]
-    assert all(o.finish_reason == "stop" and isinstance(o.pooling_output, Latents) for o in outputs)
+    assert all(o.finish_reason == "stop" and isinstance(o.result, Latents) for o in outputs)
     assert_no_trace(scheduler, runner)
 
 
@@ -298,7 +298,7 @@ def decode_request(request_id, size):
 
 
 def test_vae_batches_same_size_oldest_first():
-    scheduler = VAEScheduler(max_batch_size=2)
+    scheduler = VaeScheduler(max_batch_size=2)
     for request_id, size in [("a", SQUARE), ("w1", WIDE), ("b", SQUARE), ("c", SQUARE), ("w2", WIDE)]:
         scheduler.add_request(decode_request(request_id, size))
     scheduler.finish_requests(["c"])
@@ -306,14 +306,14 @@ def test_vae_batches_same_size_oldest_first():
     while scheduler.has_requests():
         batch = scheduler.schedule()
         batches.append([r.request_id for r in batch.requests])
-        result = DecodeOutput(finished={r.request_id: Decoded(None, None) for r in batch.requests}, errors={})
+        result = VaeOutput(finished={r.request_id: Decoded(None, None) for r in batch.requests}, errors={})
         outputs = scheduler.update_from_output(batch, result)
         assert [o.request_id for o in outputs] == batches[-1] and all(o.finished for o in outputs)
     assert batches == [["a", "b"], ["w1", "w2"]]
 
 
 def test_vae_decodes_previews_apart_from_final_images_and_after_them():
-    scheduler = VAEScheduler(max_batch_size=4)
+    scheduler = VaeScheduler(max_batch_size=4)
     scheduler.add_request(DecodeRequest("p1", Latents(torch.zeros(1), *SQUARE), preview=True))
     scheduler.add_request(decode_request("a", SQUARE))
     scheduler.add_request(DecodeRequest("p2", Latents(torch.zeros(1), *SQUARE), preview=True))
@@ -322,5 +322,5 @@ def test_vae_decodes_previews_apart_from_final_images_and_after_them():
     while scheduler.has_requests():
         batch = scheduler.schedule()
         batches.append([r.request_id for r in batch.requests])
-        scheduler.update_from_output(batch, DecodeOutput(finished={r: Decoded(None, None) for r in batches[-1]}))
+        scheduler.update_from_output(batch, VaeOutput(finished={r: Decoded(None, None) for r in batches[-1]}))
     assert batches == [["a", "b"], ["p1", "p2"]]

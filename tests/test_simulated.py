@@ -17,7 +17,7 @@ from omni_ray.engine.builders import build_dit_core
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
-from omni_ray.engine.vae_scheduler import VAEScheduler
+from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.pipeline import Pipeline
 from omni_ray.qwen_image import image_tokens
 from omni_ray.records import DecodeRequest, DenoiseParams, DenoiseRequest, ImageEncodeRequest, Latents, PromptEmbeds
@@ -70,7 +70,7 @@ def run_until_done(core, ids: set[str]) -> tuple[dict, list]:
             if output.progress is not None:
                 progress.append((output.request_id, output.progress))
             if output.finished:
-                results[output.request_id] = output.pooling_output
+                results[output.request_id] = output.result
     return results, progress
 
 
@@ -100,7 +100,7 @@ def test_simulated_denoiser_steps_a_batch_for_its_simulated_time_and_returns_pac
 
 
 def test_simulated_vae_decodes_to_photo_like_pixels_and_encodes_edit_images():
-    core = EngineCore(VAEScheduler(4), SimulatedVae(torch.bfloat16))
+    core = EngineCore(VaeScheduler(4), SimulatedVae(torch.bfloat16))
     latents = Latents(torch.randn(16 * 24, 64).to(torch.bfloat16), 256, 384)
     core.add_request(DecodeRequest("d", latents, "both"))
     core.add_request(ImageEncodeRequest("e", np.zeros((320, 192, 3), np.uint8)))

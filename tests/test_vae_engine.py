@@ -6,10 +6,10 @@ import torch
 from PIL import Image
 
 from omni_ray.engine.core import EngineCore
-from omni_ray.engine.vae_scheduler import VAEScheduler
+from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.records import DecodeRequest, Latents
-from omni_ray.runners.decode import VaeRunner
 from omni_ray.runners.packing import pack_latents, unpack_latents
+from omni_ray.runners.vae import VaeRunner
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +25,14 @@ def latents(seed, height=64, width=64):
 def test_batched_decode_matches_one_at_a_time(decoder):
     items = [latents(seed) for seed in range(3)] + [latents(9, 64, 96)]
     modes = ["pixels", "both", "latents", "pixels"]
-    core = EngineCore(VAEScheduler(max_batch_size=4), decoder)
+    core = EngineCore(VaeScheduler(max_batch_size=4), decoder)
     for i, (item, mode) in enumerate(zip(items, modes)):
         core.add_request(DecodeRequest(f"d{i}", item, mode))
     first, second = core.step(), core.step()
     assert [o.request_id for o in first] == ["d0", "d1", "d2"]  # the square ones share a call
     assert [o.request_id for o in second] == ["d3"]
     assert not core.has_unfinished_requests()
-    results = {o.request_id: o.pooling_output for o in first + second}
+    results = {o.request_id: o.result for o in first + second}
     for i, (item, mode) in enumerate(zip(items, modes)):
         result = results[f"d{i}"]
         assert (result.latents is not None) == (mode != "pixels")
@@ -52,13 +52,13 @@ def test_a_bad_latent_in_a_batched_decode_fails_alone(decoder):
     alone, so only it fails, and its batch-mates and the request queued behind them get their images."""
     good = [latents(seed) for seed in range(2)]
     bad = Latents(torch.randn(5, 64), 64, 64)  # 5 tokens where a 64x64 image has 16
-    core = EngineCore(VAEScheduler(max_batch_size=3), decoder)
+    core = EngineCore(VaeScheduler(max_batch_size=3), decoder)
     for request_id, item in (("g0", good[0]), ("bad", bad), ("g1", good[1]), ("queued", latents(7))):
         core.add_request(DecodeRequest(request_id, item))
     outputs = core.step() + core.step()
     errors = {o.request_id: o.error for o in outputs if o.finish_reason == "error"}
     assert list(errors) == ["bad"] and "RuntimeError" in str(errors["bad"])
-    results = {o.request_id: o.pooling_output for o in outputs if o.finish_reason == "stop"}
+    results = {o.request_id: o.result for o in outputs if o.finish_reason == "stop"}
     assert sorted(results) == ["g0", "g1", "queued"]
     for request_id, item in (("g0", good[0]), ("g1", good[1])):
         assert np.array_equal(results[request_id].pixels, decoder.decode([item])[0])
@@ -75,13 +75,13 @@ def test_out_of_memory_for_one_request_is_a_503_for_it_alone(decoder, monkeypatc
         return decode(batch)
 
     monkeypatch.setattr(decoder, "decode", decode_or_run_out)
-    core = EngineCore(VAEScheduler(max_batch_size=4), decoder)
+    core = EngineCore(VaeScheduler(max_batch_size=4), decoder)
     core.add_request(DecodeRequest("large", latents(0, 96, 96)))
     core.add_request(DecodeRequest("small", latents(1)))
     outputs = {o.request_id: o for o in core.step() + core.step()}
     assert isinstance(outputs["large"].error, OverloadedError) and outputs["large"].error.status_code == 503
     assert "out of memory" in str(outputs["large"].error)
-    assert outputs["small"].pooling_output.pixels.shape == (64, 64, 3)
+    assert outputs["small"].result.pixels.shape == (64, 64, 3)
 
 
 @pytest.mark.parametrize("batch,height,width", [(1, 64, 64), (3, 64, 96), (2, 256, 256)])

@@ -58,11 +58,10 @@ async def json_object(request: Request, fields: tuple[str, ...]) -> dict:
     return body
 
 
-async def edit_form(request: Request, limit: int, max_images: int
-                    ) -> tuple[dict[str, str], list[bytes], bytes | None]:
+async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], list[bytes], bytes | None]:
     """An edit's multipart form: its text fields, the bytes of its ``image`` files in order (``image``, or
-    ``image[]`` as OpenAI's client sends a list; more than ``max_images`` is refused before any is decoded), and
-    its ``mask`` file's (None without one)."""
+    ``image[]`` as OpenAI's client sends a list; planning counts them against the preset), and its ``mask`` file's
+    (None without one)."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise RequestError("request body must be multipart/form-data with an `image` file and a `prompt`", param=None)
@@ -76,7 +75,7 @@ async def edit_form(request: Request, limit: int, max_images: int
     except Exception as err:  # Starlette's parser raises HTTPException or MultiPartException
         detail = getattr(err, "detail", err)
         if "Too many files" in str(detail):
-            raise RequestError(f"image: at most {max_images} input images per request", param="image") from None
+            raise RequestError(f"image: at most {MAX_FILES} files per request", param="image") from None
         raise RequestError(f"malformed multipart body: {detail}", param=None) from None
     fields, images, mask = {}, [], None
     try:
@@ -97,9 +96,6 @@ async def edit_form(request: Request, limit: int, max_images: int
                 fields[name] = value
     finally:
         await form.close()  # uploads past 1 MiB spill to temporary files
-    if len(images) > max_images:
-        more = "one input image" if max_images == 1 else f"at most {max_images} input images"
-        raise RequestError(f"image: {more} per request, got {len(images)}", param="image")
     return fields, images, mask
 
 

@@ -22,14 +22,29 @@ INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # what /v1/images/edits takes, a
 MAX_INPUT_PIXELS = 8192 * 8192  # an input image's pixels before resizing; refused past it (decompression bombs)
 
 
+def load_inputs(files: Sequence[bytes] | None, mask: bytes | None, config: PipelineConfig,
+                size: tuple[int, int] | None = None) -> InputImages | None:
+    """What a request's uploads are: a masked edit's one image and its mask (``load_masked_input``, at the size the
+    request names, ``size``, when it names one), an edit's images (``load_input_images``), or nothing to decode (no
+    upload, or a text-to-image preset given an image without a mask: planning refuses that route)."""
+    if mask is not None:
+        if len(files or ()) > 1:
+            raise RequestError("image: a masked edit takes one image", param="image")
+        return load_masked_input(files[0] if files else b"", mask, config, size)
+    if files is not None and config.edit is not None:
+        return load_input_images(files, config)
+    return None
+
+
 def load_input_images(files: Sequence[bytes], config: PipelineConfig) -> InputImages:
     """An edit's uploaded image files, checked and resized as diffusers' pipelines resize them: each to its working
     size (``config.edit.image_area`` pixels at its aspect ratio) for the VAE and, for Edit-Plus, from the same
     upload to ``config.edit.condition_area`` pixels for the encoder (Qwen-Image-Edit's encoder reads the working
     size).
 
-    Raises RequestError (param ``image``) for no file or more than ``config.edit.max_images``, and for each file as
-    ``load_input_image`` does, naming which of them it is.
+    Raises RequestError (param ``image``) for no file or more than ``config.edit.max_images``, and for each file a
+    missing, unreadable, corrupt or unsupported file, or one whose aspect ratio gives a working size outside the
+    preset's side limits, naming which of them it is; PayloadTooLargeError past ``config.edit.max_image_bytes``.
     """
     edit = config.edit
     if len(files) > edit.max_images:
@@ -47,26 +62,15 @@ def load_input_images(files: Sequence[bytes], config: PipelineConfig) -> InputIm
     return InputImages(tuple(vae), tuple(encoder) if edit.plus else tuple(vae))
 
 
-def load_input_image(data: bytes | None, config: PipelineConfig) -> np.ndarray:
-    """An edit's one uploaded image file, checked and resized to its working size (``config.edit.image_area``
-    pixels at its aspect ratio, as diffusers' ``QwenImageEditPipeline`` resizes it): uint8 ``[H, W, 3]``.
-
-    Raises RequestError (param ``image``) for a missing, unreadable, corrupt or unsupported file, or one whose
-    aspect ratio gives a working size outside the preset's side limits; PayloadTooLargeError past
-    ``config.edit.max_image_bytes``.
-    """
-    if not data:
-        raise RequestError("image: required: the image to edit, as a PNG, JPEG or WebP file", param="image")
-    return load_input_images([data], config).vae[0]
-
-
-def load_masked_input(image: bytes, mask: bytes, config: PipelineConfig, size: tuple[int, int]) -> InputImages:
+def load_masked_input(image: bytes, mask: bytes, config: PipelineConfig, size: tuple[int, int] | None = None
+                      ) -> InputImages:
     """A masked edit's image and OpenAI's ``mask`` (a PNG of the image's size whose fully transparent pixels mark
-    what to change): the image as diffusers' inpaint pipelines take it, at its working size for an edit preset
-    (``QwenImageEditInpaintPipeline``) or at the output ``size`` (height, width) for a text-to-image one
-    (``QwenImageInpaintPipeline``), and the mask on that size's latent grid.
+    what to change), as diffusers' inpaint pipelines take them at a height and width: the request's ``size``
+    (height, width) when it names one, else the image's working size on an edit preset
+    (``QwenImageEditInpaintPipeline``, which edits beside the image at that size too) and the preset's default size
+    on a text-to-image one (``QwenImageInpaintPipeline``); the mask on that size's latent grid.
 
-    Raises RequestError naming ``image`` as ``load_input_image`` does, or ``mask`` for a file that is not a PNG,
+    Raises RequestError naming ``image`` as ``load_input_images`` does, or ``mask`` for a file that is not a PNG,
     not the image's size, without an alpha channel, or with no transparent pixel.
     """
     edit = config.edit
@@ -77,9 +81,10 @@ def load_masked_input(image: bytes, mask: bytes, config: PipelineConfig, size: t
     picture = open_input_image(image, max_bytes)
     repaint = open_mask(mask, picture.size, max_bytes)
     if edit is not None:
-        start = _resized(picture, config, edit.image_area, f"a {picture.width}x{picture.height} image's working ")
+        start = resize_image(picture, *size) if size is not None else \
+            _resized(picture, config, edit.image_area, f"a {picture.width}x{picture.height} image's working ")
         return InputImages((start,), (start,), mask_grid(repaint, *start.shape[:2]))
-    height, width = size
+    height, width = size or (config.requests.default_height, config.requests.default_width)
     return InputImages((resize_image(picture, height, width),), (), mask_grid(repaint, height, width),
                        conditions=False)
 

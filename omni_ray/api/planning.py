@@ -1,18 +1,20 @@
 """A request planned once: validated against the preset, sizes resolved, seeds assigned, true CFG decided.
 
-``plan_request`` turns a body (and an edit's input image) into a ``GenerationPlan``, the one record the request path
-runs; every refusal is a ``RequestError`` naming its field.
+``plan_request`` turns a body (and an edit's input images) into a ``GenerationPlan``, the one record the request
+path runs, in numbered steps as diffusers' pipelines check their inputs; every refusal is a ``RequestError`` naming
+its field. What each image then asks of the DiT (``GenerationPlan.denoise_params``) is read off the plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
-from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig
+from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig, SamplingRecipe
 from omni_ray.errors import NotFoundError, RequestError
 from omni_ray.qwen_image import (
     INPAINT_STRENGTH,
@@ -23,10 +25,12 @@ from omni_ray.qwen_image import (
     template_for,
     uses_true_cfg,
 )
-from omni_ray.records import Inpaint, InputImages, LoraRef, TokenCount
+from omni_ray.records import DenoiseParams, Inpaint, InputImages, LoraRef, TokenCount
 
 if TYPE_CHECKING:
     import numpy as np
+
+CountTokens = Callable[[str, tuple[tuple[int, int], ...]], TokenCount]  # (text, image sizes) -> its tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,7 @@ class GenerationPlan:
     width: int
     num_inference_steps: int
     seed: int  # image i uses seed + i
+    true_cfg: bool = False  # runs the unconditional pass too (diffusers' rule), decided here once for every stage
     cache: CacheSettings | None = None  # the request's, or the preset's default
     lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
     true_cfg_scale: float | None = None  # the request's, or its adapter's recipe's when the request does not set it;
@@ -54,10 +59,22 @@ class GenerationPlan:
         if self.true_cfg_scale is None:
             object.__setattr__(self, "true_cfg_scale", self.request.true_cfg_scale)
 
+    def denoise_params(self, index: int) -> DenoiseParams:
+        """Image ``index``'s DiT parameters: its seed is the request's plus ``index``; a streamed request's
+        ``partial_images`` previews come after steps spread evenly before the last (of those a masked edit runs)."""
+        request = self.request
+        params = DenoiseParams(
+            self.height, self.width, self.num_inference_steps, self.seed + index, self.true_cfg_scale, self.cache,
+            self.lora, true_cfg=self.true_cfg, priority=request.priority, tenant=self.tenant,
+            scheduler=self.scheduler, inpaint=self.inpaint,
+        )
+        previews = preview_steps(request.partial_images if request.stream else 0, params.steps_run)
+        return dataclasses.replace(params, previews=tuple(params.first_step + step for step in previews))
+
     @property
-    def true_cfg(self) -> bool:
-        """Whether the request runs true CFG (diffusers' rule), decided here once for every stage."""
-        return uses_true_cfg(self.true_cfg_scale, self.request.negative_prompt is not None)
+    def steps_run(self) -> int:
+        """Denoising steps each image runs (``DenoiseParams.steps_run``: a masked edit's strength runs fewer)."""
+        return self.denoise_params(0).steps_run
 
     @property
     def work_tokens(self) -> int:
@@ -70,94 +87,61 @@ class GenerationPlan:
         return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_sizes)
 
     @property
-    def steps_run(self) -> int:
-        """Denoising steps each image runs (a masked edit's strength runs fewer)."""
-        skipped = inpaint_start(self.num_inference_steps, self.inpaint.strength) if self.inpaint is not None else 0
-        return self.num_inference_steps - skipped
-
-    @property
     def event_prefix(self) -> str:
         """What OpenAI's streamed events of this kind of request are called."""
         return "image_generation" if self.inputs is None else "image_edit"
 
 
+def preview_steps(count: int, num_steps: int) -> tuple[int, ...]:
+    """``count`` distinct steps in 1..num_steps-1, evenly spread (fewer when there are fewer steps than that)."""
+    return tuple(sorted({max(1, round(num_steps * (i + 1) / (count + 1))) for i in range(count)} - {num_steps}))
+
+
 def plan_request(
     body: object,
     config: PipelineConfig,
-    count_tokens: Callable[..., int] | None = None,
+    count_tokens: CountTokens | None = None,
     image: np.ndarray | InputImages | None = None,
     adapters: Mapping[str, LoraEntry] | None = None,
     has_image: bool | None = None,
 ) -> GenerationPlan:
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
 
-    An edit brings its input images (``load_input_images``'s, or ``load_input_image``'s one image); the last one's
-    working size is the default output size, as diffusers has it. ``count_tokens(text, image_sizes)`` gives a
-    prompt's templated length (a ``TokenCount``: its text's tokens and the images'), checked against the encoder's
-    limit and counted in the response's ``usage``. ``adapters``
-    (name -> file and sampling recipe) are the LoRA adapters ``model`` may name; a request naming one with a recipe
-    gets the recipe's steps, true CFG scale and scheduler settings for the fields it does not set. ``has_image``
-    says the request brought an image when ``image`` was not decoded (the preset does not edit).
+    An edit brings its input images (``api.images.load_inputs``'); the last one's working size is the default output
+    size, as diffusers has it. ``count_tokens`` gives a prompt's templated length, checked against the encoder's
+    limit and counted in the response's ``usage``. ``adapters`` (name -> file and sampling recipe) are the LoRA
+    adapters ``model`` may name; a request naming one with a recipe gets the recipe's steps, true CFG scale and
+    scheduler settings for the fields it does not set. ``has_image`` says the request brought an image that was not
+    decoded (the preset takes none).
     """
+    # 1. The route, then the body: what OpenAI's schema and this server take.
     inputs = InputImages.of(image) if image is not None else None
     check_route(config, has_image=image is not None if has_image is None else has_image,
                 has_mask=inputs is not None and inputs.mask is not None)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
-    adapters = adapters or {}
-    lora = resolve_model(request, config, adapters)
+    check_fields(request, config)
+    # 2. The model: the base, or a LoRA adapter and its sampling recipe.
+    lora = resolve_model(request, config, adapters or {})
     recipe = adapters[lora.name].recipe if lora is not None else None
-    given = request.model_fields_set
     true_cfg_scale = request.true_cfg_scale
-    if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in given:
+    if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in request.model_fields_set:
         true_cfg_scale = recipe.true_cfg_scale
+    # 3. The size, a masked edit's mask, and the steps.
     height, width = resolve_size(request, config, inputs.sizes[-1] if inputs is not None and inputs.conditions
                                  else None)
     inpaint = check_mask(request, inputs, height, width)
-    input_tokens = TokenCount(0)
+    steps = resolve_steps(request, config, recipe, inpaint)
+    # 4. True CFG, decided once; what the encoder reads, within its limit.
     true_cfg = uses_true_cfg(true_cfg_scale, request.negative_prompt is not None)
-    for field in ("prompt", "negative_prompt"):
-        text = getattr(request, field) or ""
-        if config.edit is not None and any(token in text for token in VISION_TOKENS):
-            raise RequestError(f"{field}: must not contain Qwen2.5-VL's vision tokens ({', '.join(VISION_TOKENS)})",
-                               param=field)
-    if count_tokens is not None:
-        image_sizes = tuple(image.shape[:2] for image in inputs.encoder) if inputs is not None else ()
-        for field in ("prompt", "negative_prompt"):
-            text = getattr(request, field)
-            if text is None:
-                continue
-            tokens = count_tokens(text, image_sizes)
-            if tokens.total > config.encoder.max_model_len:
-                raise RequestError(
-                    f"{field}: {tokens.total} tokens with the prompt template; the limit is "
-                    f"{config.encoder.max_model_len}",
-                    param=field,
-                )
-            if field == "prompt" or true_cfg:  # without true CFG the negative prompt is never encoded
-                input_tokens += tokens
-    if request.background == "transparent":
-        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque", param="background")
-    if request.style is not None:
-        raise RequestError("style: a dall-e-3 setting that Qwen-Image does not have; describe the style in the "
-                           "prompt", param="style")
-    if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
-        raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
-    steps = request.num_inference_steps or quality_steps(request.quality, config)
-    if recipe is not None and recipe.num_inference_steps and request.num_inference_steps is None \
-            and request.quality == "auto":  # the client may send quality "auto" itself, as SDKs do
-        steps = recipe.num_inference_steps
-    if inpaint is not None and inpaint_start(steps, inpaint.strength) >= steps:
-        raise RequestError(f"strength: {inpaint.strength:g} of {steps} steps runs none; raise it or the steps",
-                           param="strength")
-    if request.timeout is not None and request.timeout > config.requests.timeout_s:
-        raise RequestError(f"timeout: at most {config.requests.timeout_s:g} s here (requests.timeout_s)",
-                           param="timeout")
+    input_tokens = count_input_tokens(request, config, count_tokens, inputs, true_cfg)
+    # 5. The plan, seeds assigned.
     return GenerationPlan(
         request=request,
         height=height,
         width=width,
         num_inference_steps=steps,
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
+        true_cfg=true_cfg,
         cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
         lora=lora,
         true_cfg_scale=true_cfg_scale,
@@ -170,6 +154,60 @@ def plan_request(
         timeout_s=request.timeout or config.requests.timeout_s,
         tenant=request.user or "",
     )
+
+
+def check_fields(request: ImageGenerationRequest, config: PipelineConfig) -> None:
+    """The fields OpenAI's schema takes but this server cannot honour, and its own bounds."""
+    if request.background == "transparent":
+        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque", param="background")
+    if request.style is not None:
+        raise RequestError("style: a dall-e-3 setting that Qwen-Image does not have; describe the style in the "
+                           "prompt", param="style")
+    if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
+        raise RequestError(f"seed: seed + n - 1 must be at most {MAX_SEED}", param="seed")
+    if request.timeout is not None and request.timeout > config.requests.timeout_s:
+        raise RequestError(f"timeout: at most {config.requests.timeout_s:g} s here (requests.timeout_s)",
+                           param="timeout")
+    for field in ("prompt", "negative_prompt"):
+        text = getattr(request, field) or ""
+        if config.edit is not None and any(token in text for token in VISION_TOKENS):
+            raise RequestError(f"{field}: must not contain Qwen2.5-VL's vision tokens ({', '.join(VISION_TOKENS)})",
+                               param=field)
+
+
+def resolve_steps(request: ImageGenerationRequest, config: PipelineConfig, recipe: SamplingRecipe | None,
+                  inpaint: Inpaint | None) -> int:
+    """The request's steps, its quality's, or its adapter's recipe's (when it sets neither); RequestError naming
+    ``strength`` when a masked edit's strength runs none of them."""
+    steps = request.num_inference_steps or quality_steps(request.quality, config)
+    if recipe is not None and recipe.num_inference_steps and request.num_inference_steps is None \
+            and request.quality == "auto":  # the client may send quality "auto" itself, as SDKs do
+        steps = recipe.num_inference_steps
+    if inpaint is not None and inpaint_start(steps, inpaint.strength) >= steps:
+        raise RequestError(f"strength: {inpaint.strength:g} of {steps} steps runs none; raise it or the steps",
+                           param="strength")
+    return steps
+
+
+def count_input_tokens(request: ImageGenerationRequest, config: PipelineConfig, count_tokens: CountTokens | None,
+                       inputs: InputImages | None, true_cfg: bool) -> TokenCount:
+    """The tokens the encoder reads: the prompt's, and the negative prompt's with true CFG (without it the negative
+    is never encoded); RequestError naming the text past the encoder's ``max_model_len``."""
+    total = TokenCount(0)
+    if count_tokens is None:
+        return total
+    image_sizes = tuple(image.shape[:2] for image in inputs.encoder) if inputs is not None else ()
+    for field in ("prompt", "negative_prompt"):
+        text = getattr(request, field)
+        if text is None:
+            continue
+        tokens = count_tokens(text, image_sizes)
+        if tokens.total > config.encoder.max_model_len:
+            raise RequestError(f"{field}: {tokens.total} tokens with the prompt template; the limit is "
+                               f"{config.encoder.max_model_len}", param=field)
+        if field == "prompt" or true_cfg:
+            total += tokens
+    return total
 
 
 def quality_steps(quality: str, config: PipelineConfig) -> int:
@@ -205,15 +243,15 @@ def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapt
 def check_mask(request: ImageGenerationRequest, inputs: InputImages | None, height: int, width: int
                ) -> Inpaint | None:
     """A masked edit's ``Inpaint`` (None without a mask); RequestError naming ``strength`` given without a mask, or
-    ``size`` when an edit's mask asks for another size than its image's working size."""
+    ``size`` when the output's size is not the size its image and mask were prepared at (``load_masked_input``)."""
     if inputs is None or inputs.mask is None:
         if request.strength is not None:
             raise RequestError("strength: only with a `mask` (a masked edit)", param="strength")
         return None
     start = inputs.vae[0].shape[:2]
     if (height, width) != start:
-        raise RequestError(f"size: a masked edit's output is its image's working size, {start[1]}x{start[0]}",
-                           param="size")
+        raise RequestError(f"size: {width}x{height}, but the masked edit's image was prepared at "
+                           f"{start[1]}x{start[0]}", param="size")
     return Inpaint(inputs.mask, INPAINT_STRENGTH if request.strength is None else request.strength)
 
 
@@ -233,20 +271,25 @@ def check_route(config: PipelineConfig, has_image: bool, has_mask: bool = False)
         )
 
 
-def resolve_size(
-    request: ImageGenerationRequest, config: PipelineConfig, default: tuple[int, int] | None = None
-) -> tuple[int, int]:
-    """(height, width) for the request, checked against the preset's limits; ``default`` (an edit's last image's
-    working size) replaces the preset's default size."""
-    limits = config.requests
+def requested_size(request: ImageGenerationRequest, config: PipelineConfig) -> tuple[int, int] | None:
+    """(height, width) the request names, checked against the preset's limits; None for ``auto`` or none."""
     if request.size in (None, "auto"):
-        return default or (limits.default_height, limits.default_width)
+        return None
     try:
         width, height = (int(side) for side in request.size.lower().split("x"))
     except ValueError:
         raise RequestError(f"size: expected 'WIDTHxHEIGHT', got {request.size!r}", param="size") from None
     check_sides(width, height, config, "size")
     return height, width
+
+
+def resolve_size(
+    request: ImageGenerationRequest, config: PipelineConfig, default: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """(height, width) for the request: the size it names, else ``default`` (an edit's last image's working size),
+    else the preset's default size."""
+    limits = config.requests
+    return requested_size(request, config) or default or (limits.default_height, limits.default_width)
 
 
 def check_sides(width: int, height: int, config: PipelineConfig, param: str, what: str = "") -> None:

@@ -89,7 +89,7 @@ class AsyncEngine:
     async def generate(self, request, on_progress: ProgressCallback | None = None,
                        upstream: dict[str, float] | None = None) -> Any:
         """Adds ``request`` (its ``request_id`` must be unique) and returns its stage result (the core's
-        ``pooling_output``); raises the EngineError it failed with. The result's ``timings`` are ``upstream``'s
+        ``EngineCoreOutput.result``); raises the EngineError it failed with. The result's ``timings`` are ``upstream``'s
         (the stages before this one) and this engine's: the seconds from this call to the result, as
         ``request.timing``, and the part of them it queued before its first step, as ``<request.timing>_queued``.
         ``on_progress`` gets each step's progress."""
@@ -263,7 +263,7 @@ class AsyncEngine:
         if output.finish_reason == "error":
             _resolve(caller, self._named(output.error or EngineError("request failed")))
         else:
-            _resolve(caller, output.pooling_output)
+            _resolve(caller, output.result)
 
 
 def _resolve(caller: _Caller, result: Any) -> None:

@@ -12,11 +12,11 @@ from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPol
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.encoder_core import EncoderEngineCore
 from omni_ray.engine.prompt_cache import PromptCache
-from omni_ray.engine.vae_scheduler import VAEScheduler
-from omni_ray.runners.decode import VaeRunner
+from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 from omni_ray.runners.transformers_encoder import TransformersEncoder
+from omni_ray.runners.vae import VaeRunner
 from omni_ray.runners.vllm_encoder import VllmEncoder
 from omni_ray.tokenizer import PromptTokenizer
 
@@ -81,4 +81,4 @@ def build_vae_core(config: PipelineConfig) -> EngineCore:
     else:
         runner = VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device,
                                 dummy=config.weights == "dummy")
-    return EngineCore(VAEScheduler(stage.max_batch_size), runner)
+    return EngineCore(VaeScheduler(stage.max_batch_size), runner)

@@ -13,14 +13,12 @@ FinishReason = Literal["stop", "error"]
 
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """A request's event from one step: progress, or its end with the stage's result in ``pooling_output``.
-
-    As in vLLM's pooling path, a finished request's result rides in ``pooling_output``; ``finish_reason`` is None
-    while the request runs.
-    """
+    """A request's event from one step: progress, or its end with the stage's result (vLLM's pooling path carries
+    it in ``pooling_output``; ours is any stage's record, so ``result``); ``finish_reason`` is None while the request
+    runs."""
 
     request_id: str
-    pooling_output: Any = None  # the stage's result record: EncodedPrompt, Latents or Decoded
+    result: Any = None  # the stage's result record: EncodedPrompt, Latents (the DiT's, or an image's encode) or Decoded
     finish_reason: FinishReason | None = None
     error: EngineError | None = None  # set when finish_reason is "error"
     progress: tuple[int, int] | None = None  # (steps done, total steps), for stages that step

@@ -10,16 +10,16 @@ from collections import deque
 
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
-from omni_ray.records import DecodeBatch, DecodeOutput, DecodeRequest, VAERequest
+from omni_ray.records import DecodeRequest, VaeBatch, VaeOutput, VaeRequest
 
 
-class VAEScheduler(Scheduler[VAERequest, DecodeBatch, DecodeOutput]):
+class VaeScheduler(Scheduler[VaeRequest, VaeBatch, VaeOutput]):
     def __init__(self, max_batch_size: int):
         assert max_batch_size > 0
         self.max_batch_size = max_batch_size
-        self.waiting: deque[VAERequest] = deque()
+        self.waiting: deque[VaeRequest] = deque()
 
-    def add_request(self, request: VAERequest) -> None:
+    def add_request(self, request: VaeRequest) -> None:
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: list[str]) -> None:
@@ -27,7 +27,7 @@ class VAEScheduler(Scheduler[VAERequest, DecodeBatch, DecodeOutput]):
         ids = set(request_ids)
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
 
-    def schedule(self) -> DecodeBatch:
+    def schedule(self) -> VaeBatch:
         """The oldest request's kind and size decide the batch (the oldest that is not a preview, when there is
         one); later requests of that kind and size join it, in order."""
         first = next((r for r in self.waiting if not (isinstance(r, DecodeRequest) and r.preview)), self.waiting[0])
@@ -36,9 +36,9 @@ class VAEScheduler(Scheduler[VAERequest, DecodeBatch, DecodeOutput]):
         for request in self.waiting:
             (batch if request.batch_key == key and len(batch) < self.max_batch_size else kept).append(request)
         self.waiting = kept
-        return DecodeBatch(requests=batch)
+        return VaeBatch(requests=batch)
 
-    def update_from_output(self, scheduler_output: DecodeBatch, runner_output: DecodeOutput) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: VaeBatch, runner_output: VaeOutput) -> list[EngineCoreOutput]:
         outputs = [EngineCoreOutput(rid, result, "stop") for rid, result in runner_output.finished.items()]
         outputs += [EngineCoreOutput.failed(rid, error) for rid, error in runner_output.errors.items()]
         return outputs

@@ -20,14 +20,14 @@ import torch
 from omni_ray.errors import request_failure
 from omni_ray.qwen_image import LATENT_CHANNELS, TEXT_HIDDEN, VISION_PATCH, check_side, image_tokens
 from omni_ray.records import (
-    DecodeBatch,
     Decoded,
-    DecodeOutput,
     DenoiseBatch,
     DenoiseOutput,
     DenoiseParams,
     ImageEncodeRequest,
     Latents,
+    VaeBatch,
+    VaeOutput,
 )
 from omni_ray.runners.gpu_costs import GpuCosts
 
@@ -147,9 +147,9 @@ class SimulatedVae:
         self.dtype = dtype
         self.costs = costs or GpuCosts.h200()
 
-    def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
+    def execute_model(self, batch: VaeBatch) -> VaeOutput:
         started = time.monotonic()
-        output = DecodeOutput()
+        output = VaeOutput()
         pixels = 0
         for request in batch.requests:
             try:

@@ -4,8 +4,8 @@ a batch of same-size items per call.
 Decoding unpacks, denormalises with the VAE's latent statistics, decodes the single frame, and postprocesses as
 diffusers' ``QwenImagePipeline`` and ``VaeImageProcessor`` do (``output_type="pil"`` rounds to uint8 the same way).
 Encoding preprocesses, takes the latent distribution's mode, normalises and packs, as
-``QwenImageEditPipeline.prepare_latents`` does (Edit-Plus's pipeline encodes each of its images so). The VAE itself runs as 2-D convolutions on one frame
-(``vae_frame``) in channels-last layout: on the CPU the fastest layout here, and on the tiny and full-size VAEs one
+``QwenImageEditPipeline.prepare_latents`` does (Edit-Plus's pipeline encodes each of its images so). The VAE itself
+runs as 2-D convolutions on one frame (``vae_frame``) in channels-last layout: on the CPU the fastest layout here, and on the tiny and full-size VAEs one
 whose pixels did not depend on the batch size (oneDNN does not promise it: a VAE 16 channels wide differed by one
 level in 4 pixels of 16,384 between a batch of one and of two); on CUDA the layout cuDNN's fastest convolutions
 take, with its autotuner on.
@@ -22,7 +22,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from omni_ray.errors import request_failure
 from omni_ray.qwen_image import SIZE_MULTIPLE, VAE_COMPRESSION
-from omni_ray.records import DecodeBatch, Decoded, DecodeOutput, ImageEncodeRequest, Latents, VAERequest
+from omni_ray.records import Decoded, ImageEncodeRequest, Latents, VaeBatch, VaeOutput, VaeRequest
 from omni_ray.runners.host import to_host
 from omni_ray.runners.packing import pack_latents, unpack_latents
 from omni_ray.runners.random_weights import random_model
@@ -56,10 +56,10 @@ class VaeRunner:
             return cls(random_model(AutoencoderKLQwenImage, config, dtype, device))
         return cls(AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device))
 
-    def execute_model(self, batch: DecodeBatch) -> DecodeOutput:
+    def execute_model(self, batch: VaeBatch) -> VaeOutput:
         """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
         fail (a bad latent, or one that does not fit in memory beside the others)."""
-        output = DecodeOutput()
+        output = VaeOutput()
         try:
             output.finished.update(self._run(batch.requests))
             return output
@@ -73,7 +73,7 @@ class VaeRunner:
                 output.errors[request.request_id] = request_failure(err)
         return output
 
-    def _run(self, requests: list[VAERequest]) -> dict[str, Decoded | Latents]:
+    def _run(self, requests: list[VaeRequest]) -> dict[str, Decoded | Latents]:
         """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE."""
         if isinstance(requests[0], ImageEncodeRequest):
             encoded = self.encode([r.image for r in requests], [r.seed for r in requests])
