@@ -22,6 +22,7 @@ from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Q
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, VAE_COMPRESSION, check_side, latent_grid
 from omni_ray.records import (
+    BatchKey,
     DenoiseBatch,
     DenoiseOutput,
     DenoiseParams,
@@ -87,8 +88,8 @@ class DenoiseState:
         return self.step_index - first, self.num_steps - first
 
     @property
-    def batch_key(self) -> tuple:
-        return (self.params.height, self.params.width, self.params.true_cfg, self.image_sizes)
+    def batch_key(self) -> BatchKey:
+        return BatchKey.of(self.params, self.image_sizes)
 
 
 def calculate_shift(image_seq_len: int, config) -> float:
