@@ -150,7 +150,19 @@ class DenoiseParams:
         return self.num_inference_steps - self.first_step
 
 
-BatchKey = tuple[int, int, bool, tuple[tuple[int, int], ...]]  # height, width, true CFG, an edit's input image sizes
+class BatchKey(NamedTuple):
+    """What requests must share to share a forward pass: size, CFG mode and an edit's input image sizes (the cache,
+    the adapter, the scheduler settings and a mask never split a batch). The engine's requests and the runner's
+    states both take theirs from ``of``."""
+
+    height: int
+    width: int
+    true_cfg: bool
+    image_sizes: tuple[tuple[int, int], ...]  # (height, width) of each input image, none for text to image
+
+    @classmethod
+    def of(cls, params: DenoiseParams, image_sizes: tuple[tuple[int, int], ...]) -> BatchKey:
+        return cls(params.height, params.width, params.true_cfg, image_sizes)
 
 
 @dataclass(slots=True)
@@ -174,8 +186,7 @@ class DenoiseRequest:
 
     @property
     def batch_key(self) -> BatchKey:
-        """Requests whose keys match can share a forward pass: same size, CFG mode and edit image sizes."""
-        return (self.params.height, self.params.width, self.params.true_cfg, self.image_sizes)
+        return BatchKey.of(self.params, self.image_sizes)
 
     @property
     def image_sizes(self) -> tuple[tuple[int, int], ...]:

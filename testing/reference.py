@@ -38,7 +38,8 @@ from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.engine.encoder_core import to_prompt_embeds
 from omni_ray.qwen_image import TEXT_TO_IMAGE, PromptTemplate, uses_true_cfg
 from omni_ray.records import DenoiseParams, PromptEmbeds
-from omni_ray.runners.denoise import DenoiseRunner, DenoiseState
+from omni_ray.runners.denoise import DenoiseRunner
+from omni_ray.runners.denoise_state import DenoiseState
 from omni_ray.runners.transformers_encoder import last_hidden_states
 from omni_ray.runners.vae import VaeRunner
 from omni_ray.runners.vision import VisionInputs

@@ -3,7 +3,8 @@
 Each request carries its own state (latents, scheduler with its timesteps and step index, prompt embeddings), so
 requests with different step counts, seeds, prompts and CFG scales share one forward pass; the engine decides which
 states step together. Numerics follow diffusers' ``QwenImagePipeline.__call__``: the noise, the dynamic-shift
-schedule, the true-CFG norm rescale and the Euler update are the same operations on the same values. An edit
+schedule and the Euler update (``denoise_state``), the forward (``dit_cache``) and the true-CFG norm rescale are the
+same operations on the same values. An edit
 (``QwenImageEditPipeline``, or ``QwenImageEditPlusPipeline`` with up to three) also carries its input images' packed
 latents: they ride behind the noisy latents in every forward pass, one after another, each with its own entry in the
 rotary shapes, and the prediction for them is dropped.
@@ -13,90 +14,31 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
 from omni_ray.errors import EngineError, request_failure
-from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, SIZE_MULTIPLE, VAE_COMPRESSION, check_side, latent_grid
+from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, VAE_COMPRESSION, check_side
 from omni_ray.records import (
     DenoiseBatch,
     DenoiseOutput,
     DenoiseParams,
+    DenoiseRequest,
     Latents,
     LoraKey,
     LoraRef,
     PromptEmbeds,
 )
 from omni_ray.runners.attention import use_real_rope
+from omni_ray.runners.denoise_state import DenoiseState, prepare_state
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
-from omni_ray.runners.packing import pack_latents
 from omni_ray.runners.quantization import quantize_fp8
 from omni_ray.runners.random_weights import random_model
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class InpaintState:
-    """A masked edit's fixed tensors, packed like the latents ``[1, image_seq_len, in_channels]``."""
-
-    start: torch.Tensor  # the start image's latents (sampled)
-    noise: torch.Tensor  # the request's noise: noised to each level, the start image is what the mask keeps
-    mask: torch.Tensor  # 1 where the step's latents stay, 0 where the start image's come back
-
-    def blend(self, latents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """diffusers' ``(1 - mask) * init_latents_proper + mask * latents``."""
-        return (1 - self.mask) * kept + self.mask * latents
-
-
-@dataclass(slots=True)
-class DenoiseState:
-    """One request's denoising progress; the runner advances it, the engine owns it."""
-
-    params: DenoiseParams
-    latents: torch.Tensor  # [1, image_seq_len, in_channels], on the stage's device
-    scheduler: FlowMatchEulerDiscreteScheduler  # private to this request: timesteps, sigmas
-    prompt: torch.Tensor  # [num_tokens, hidden], on the stage's device
-    negative: torch.Tensor | None  # [num_neg_tokens, hidden], set when true CFG runs
-    img_shapes: list[tuple[int, int, int]]  # (frames, latent rows, latent cols) after packing; the edit images' next
-    image: torch.Tensor | None = None  # edits: the input images' packed latents one after another [1, tokens, C]
-    image_sizes: tuple[tuple[int, int], ...] = ()  # edits: each input image's (height, width)
-    caches: list[BranchCache] | None = None  # with cache acceleration: the conditional pass's, the unconditional's
-    preview: torch.Tensor | None = None  # [1, image_seq_len, in_channels] the last step's predicted clean latents,
-    # when params.previews asked for them, until the runner hands them out
-    step_index: int = 0  # into the whole schedule: a masked edit starts at params.first_step
-    inpaint: InpaintState | None = None  # a masked edit's start image, noise and mask
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.scheduler.timesteps)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.step_index >= self.num_steps
-
-    @property
-    def progress(self) -> tuple[int, int]:
-        """(steps done, steps run): what the request sees, a masked edit's skipped steps left out."""
-        first = self.params.first_step
-        return self.step_index - first, self.num_steps - first
-
-    @property
-    def batch_key(self) -> tuple:
-        return (self.params.height, self.params.width, self.params.true_cfg, self.image_sizes)
-
-
-def calculate_shift(image_seq_len: int, config) -> float:
-    """diffusers' dynamic-shift ``mu``: linear in the number of image tokens."""
-    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    m = (max_shift - base_shift) / (max_len - base_len)
-    return image_seq_len * m + (base_shift - m * base_len)
 
 
 class DenoiseRunner:
@@ -180,15 +122,25 @@ class DenoiseRunner:
         for request_id in batch.freed_ids:
             self.states.pop(request_id, None)
         output = DenoiseOutput()
-        for request in batch.new_requests:
+        self._admit(batch.new_requests, output.errors)
+        states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
+        self._step_isolating_failures(states, output.errors)
+        self._report(states, output)
+        return output
+
+    def _admit(self, requests: list[DenoiseRequest], errors: dict[str, EngineError]) -> None:
+        """Prepares each new request's state; a bad request fails alone."""
+        for request in requests:
             try:
                 self.states[request.request_id] = self.prepare(
                     request.params, request.prompt, request.negative, request.images, request.start
                 )
-            except Exception as err:  # a bad request fails alone
-                output.errors[request.request_id] = request_failure(err)
-        states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
-        self._step_isolating_failures(states, output.errors)
+            except Exception as err:
+                errors[request.request_id] = request_failure(err)
+
+    def _report(self, states: dict[str, DenoiseState], output: DenoiseOutput) -> None:
+        """The stepped requests' progress, the previews they asked for, and the finished ones' latents (their states
+        dropped)."""
         for request_id, state in states.items():
             if request_id in output.errors:
                 continue
@@ -199,7 +151,6 @@ class DenoiseRunner:
                 state.preview = None
             if state.is_finished:
                 output.finished[request_id] = self.finish(self.states.pop(request_id))
-        return output
 
     def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, EngineError]) -> None:
         """Steps the batch; if that fails, steps each request alone so that only the failing ones fail."""
@@ -228,64 +179,16 @@ class DenoiseRunner:
         images: tuple[Latents, ...] = (),
         start: Latents | None = None,
     ) -> DenoiseState:
-        """Draws the request's noise and schedule; an edit's image latents come along, in order. A masked edit
-        (``params.inpaint``) starts from ``start``, its start image's latents noised to its first step's level."""
+        """Refuses a request this replica cannot run, then draws its state (``denoise_state.prepare_state``): noise
+        and schedule; an edit's image latents in order; a masked edit's start from ``start``."""
         check_side("height", params.height)
         check_side("width", params.width)
         if params.lora is not None and params.lora.key not in self.loras.slot_of:
             raise EngineError(f"LoRA adapter {params.lora.name!r} is not loaded on this replica")
-        rows, cols = latent_grid(params.height, params.width)
-        # Drawn on the CPU in diffusers' unpacked shape, so the same seed gives the same image on any device.
-        generator = torch.Generator("cpu").manual_seed(params.seed)
-        if params.inpaint is not None:  # the VAE drew the start image's sample from this seed's generator first
-            torch.randn((1, self.num_channels_latents, 1, rows, cols), generator=generator, dtype=self.dtype)
-        noise = torch.randn((1, 1, self.num_channels_latents, rows, cols), generator=generator, dtype=self.dtype)
-        latents = pack_latents(noise).to(self.device)
-
-        steps = params.num_inference_steps
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            {**self.scheduler_config, **dict(params.scheduler)}, **one_step_overrides(steps))
-        scheduler.set_timesteps(
-            sigmas=np.linspace(1.0, 1 / steps, steps),
-            device=self.device,
-            mu=calculate_shift(latents.shape[1], scheduler.config),
+        return prepare_state(
+            params, prompt, negative, images, start, scheduler_config=self.scheduler_config,
+            channels=self.num_channels_latents, device=self.device, dtype=self.dtype,
         )
-        first = params.first_step
-        scheduler.set_begin_index(first)
-        inpaint = None
-        if params.inpaint is not None:
-            inpaint = self._inpaint_state(params, start, latents, rows, cols)
-            latents = scheduler.scale_noise(inpaint.start, scheduler.timesteps[first : first + 1], latents)
-        do_true_cfg = params.true_cfg
-        img_shapes = [(1, rows // 2, cols // 2)]
-        img_shapes += [(1, image.height // SIZE_MULTIPLE, image.width // SIZE_MULTIPLE) for image in images]
-        image = torch.cat([image.latents for image in images]).to(self.device, self.dtype) if images else None
-        return DenoiseState(
-            params=params,
-            latents=latents,
-            scheduler=scheduler,
-            prompt=prompt.embeds.to(self.device, self.dtype),
-            negative=negative.embeds.to(self.device, self.dtype) if do_true_cfg else None,
-            img_shapes=img_shapes,
-            image=image.unsqueeze(0) if image is not None else None,
-            image_sizes=tuple((image.height, image.width) for image in images),
-            caches=[BranchCache(params.cache)] * (2 if do_true_cfg else 1) if params.cache is not None else None,
-            step_index=first,
-            inpaint=inpaint,
-        )
-
-    def _inpaint_state(self, params: DenoiseParams, start: Latents, noise: torch.Tensor, rows: int, cols: int
-                       ) -> InpaintState:
-        """A masked edit's start latents, noise and mask packed as diffusers packs them (the mask repeated over the
-        latent channels)."""
-        if (start.height, start.width) != (params.height, params.width):
-            raise ValueError(f"a masked edit's start image is {start.width}x{start.height}, its output "
-                             f"{params.width}x{params.height}")
-        grid = torch.from_numpy(params.inpaint.mask).to(self.dtype)
-        if grid.shape != (rows, cols):
-            raise ValueError(f"the mask is {grid.shape[1]}x{grid.shape[0]} on the latent grid, not {cols}x{rows}")
-        mask = pack_latents(grid.expand(1, 1, self.num_channels_latents, rows, cols)).to(self.device)
-        return InpaintState(start.latents.to(self.device, self.dtype).unsqueeze(0), noise, mask)
 
     @torch.inference_mode()
     def step(self, states: list[DenoiseState]) -> None:
@@ -298,15 +201,7 @@ class DenoiseRunner:
             pred = cond[row : row + 1, :num_tokens]
             if cfg:
                 pred = guide(pred, uncond[row : row + 1, :num_tokens], state.params.true_cfg_scale)
-            if state.step_index + 1 in state.params.previews:
-                state.preview = predicted_clean(state, pred)
-            t = state.scheduler.timesteps[state.step_index]
-            state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
-            if state.inpaint is not None:
-                state.latents = keep_unmasked(state)
-            if state.caches:  # kept with the step, so a step retried alone decides from the same caches
-                state.caches = caches[row :: len(states)]
-            state.step_index += 1
+            state.advance(pred, caches[row :: len(states)])
 
     def predict(
         self, states: list[DenoiseState]
@@ -373,36 +268,6 @@ def compile_blocks(transformer: QwenImageTransformer2DModel) -> None:
 
     fx_config.use_duck_shape = False
     transformer.compile_repeated_blocks(dynamic=True)
-
-
-def predicted_clean(state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-    """The clean latents the step predicts: flow matching's ``x_t = (1 - sigma) x_0 + sigma * noise`` with velocity
-    ``noise - x_0``, so ``x_0 = x_t - sigma * v`` (in float32, as the scheduler computes its update); a masked
-    edit's keeps its start image where the mask says."""
-    sigma = state.scheduler.sigmas[state.step_index]
-    clean = (state.latents.float() - sigma * pred.float()).to(state.latents.dtype)
-    return state.inpaint.blend(clean, state.inpaint.start) if state.inpaint is not None else clean
-
-
-def keep_unmasked(state: DenoiseState) -> torch.Tensor:
-    """After a masked edit's step (the scheduler's index already on the next): the start image noised to the next
-    step's level where the mask is 0 (the clean start image after the last step), as diffusers' inpaint loop."""
-    inpaint, scheduler = state.inpaint, state.scheduler
-    kept = inpaint.start
-    if state.step_index + 1 < state.num_steps:
-        next_t = scheduler.timesteps[state.step_index + 1 : state.step_index + 2]
-        kept = scheduler.scale_noise(inpaint.start, next_t, inpaint.noise)
-    return inpaint.blend(state.latents, kept)
-
-
-def one_step_overrides(num_inference_steps: int) -> dict:
-    """Scheduler config changes that a one-step schedule needs.
-
-    Qwen-Image's config stretches the schedule so that its last sigma lands on ``shift_terminal``. With one step the
-    only sigma is 1.0 and the stretch divides 0 by 0, so diffusers' pipeline returns NaN latents (a black image).
-    One step without the stretch is the plain Euler step from pure noise to sigma 0.
-    """
-    return {"shift_terminal": None} if num_inference_steps == 1 else {}
 
 
 def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:

@@ -114,6 +114,35 @@ def cached_forward(
 def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, teacache_coefficients,
                     lora):
     t = transformer
+    caches = list(caches)  # each helper below replaces the entries of the rows it decides
+
+    # 1. The blocks' inputs, as diffusers' forward computes them.
+    x, rope = _block_inputs(t, latents, timestep, embeds, mask, img_shapes, lora)
+    first, rest = t.transformer_blocks[0], t.transformer_blocks[1:]
+
+    # 2. TeaCache rows decide from the first block's modulated input; those that reuse skip every block.
+    skip_all = _teacache_skips(first, x, caches, steps, teacache_coefficients, t.zero_cond_t)
+
+    # 3. The other rows run the first block; first-block rows that changed little skip the rest.
+    ran_first = [r for r in range(len(caches)) if r not in skip_all]
+    x1, heads, skip_rest = _run_first_block(first, x, rope, ran_first, caches)
+
+    # 4. The rows that still need them run the remaining blocks, as one sub-batch.
+    ran_all, out_all = _run_remaining_blocks(rest, x1, rope, ran_first, skip_rest)
+    out = _gather(x.hidden, skip_all | skip_rest, ran_all, out_all)
+
+    # 5. Rows that ran every block keep what the cached blocks added.
+    _keep_residuals(caches, x.hidden, heads, out, skipped=skip_all.keys() | skip_rest.keys())
+
+    # 6. The output norm and projection.
+    temb_out = x.temb.chunk(2, dim=0)[0] if t.zero_cond_t else x.temb
+    return t.proj_out(t.norm_out(out, temb_out)), caches
+
+
+def _block_inputs(t: QwenImageTransformer2DModel, latents, timestep, embeds, mask, img_shapes, lora
+                  ) -> tuple[_Rows, RealRope]:
+    """Every row's input to the first block, and the rotary tables: the image and text projections, the timestep
+    embedding (with zero_cond_t, an edit image's tokens conditioned on timestep 0) and the text mask."""
     hidden = t.img_in(latents)
     timestep = timestep.to(hidden.dtype)
     modulate_index = None
@@ -127,70 +156,85 @@ def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, ca
     text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, mask)
     temb = t.time_text_embed(timestep, hidden)
     rope = RealRope.of(t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device))
-    first, rest = t.transformer_blocks[0], t.transformer_blocks[1:]
-    x = _Rows(hidden, encoder, mask, temb, modulate_index, lora)
-    caches = list(caches)
-    rows = range(len(caches))
+    return _Rows(hidden, encoder, mask, temb, modulate_index, lora), rope
 
-    # 1. TeaCache rows decide from the first block's modulated input; those that reuse skip every block.
-    skip_all: dict[int, torch.Tensor] = {}  # row -> its output of the blocks
-    tea = [r for r in rows if caches[r] is not None and caches[r].settings.kind == "teacache"]
+
+def _teacache_skips(first, x: _Rows, caches: list[BranchCache | None], steps: list[tuple[int, int]],
+                     coefficients: tuple[float, ...], zero_cond_t: bool) -> dict[int, torch.Tensor]:
+    """The TeaCache rows' decisions, their caches replaced: row -> its output of the blocks, for the rows that
+    reuse."""
+    skip_all: dict[int, torch.Tensor] = {}
+    tea = [r for r in range(len(caches)) if caches[r] is not None and caches[r].settings.kind == "teacache"]
     if tea:
-        modulated = _modulated_input(first, x.take(tea), t.zero_cond_t)
+        modulated = _modulated_input(first, x.take(tea), zero_cond_t)
         changes = _relative_l1(modulated, [caches[r].reference for r in tea])
         for i, r in enumerate(tea):
-            reuse, accumulated = _teacache_decides(caches[r], changes[i], *steps[r], teacache_coefficients)
+            reuse, accumulated = _teacache_decides(caches[r], changes[i], *steps[r], coefficients)
             if reuse:
-                skip_all[r] = hidden[r] + caches[r].residual
+                skip_all[r] = x.hidden[r] + caches[r].residual
             caches[r] = _replace(caches[r], reuse, reference=modulated[i].clone(), accumulated=accumulated)
+    return skip_all
 
-    # 2. The other rows run the first block; first-block rows that changed little skip the rest.
-    ran_first = [r for r in rows if r not in skip_all]
-    heads: dict[int, torch.Tensor] = {}  # row -> the first block's output
+
+def _run_first_block(first, x: _Rows, rope, ran_first: list[int], caches: list[BranchCache | None]
+                     ) -> tuple[_Rows | None, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """The first block over the rows ``ran_first`` and the first-block rows' decisions, their caches replaced: the
+    block's output (None when no row runs it), row -> its output of the first block, and row -> its output of the
+    blocks for the rows that reuse."""
+    if not ran_first:
+        return None, {}, {}
+    x0 = x.take(ran_first)
+    x1 = x0.run(first, rope)
+    heads = dict(zip(ran_first, x1.hidden))
     skip_rest: dict[int, torch.Tensor] = {}
-    ran_all, out_all = [], None  # the rows that ran every block, and their output
-    if ran_first:
-        x0 = x.take(ran_first)
-        x1 = x0.run(first, rope)
-        heads = dict(zip(ran_first, x1.hidden))
-        fbc = [i for i, r in enumerate(ran_first) if caches[r] is not None and caches[r].settings.kind == "first_block"]
-        if fbc:
-            residuals = x1.hidden[fbc] - x0.hidden[fbc]
-            changes = _relative_l1(residuals, [caches[ran_first[i]].reference for i in fbc])
-            for i, change, residual in zip(fbc, changes, residuals):
-                r = ran_first[i]
-                reuse = change <= caches[r].settings.threshold  # diffusers runs the blocks when change > threshold
-                if reuse:
-                    skip_rest[r] = caches[r].residual + heads[r]
-                caches[r] = _replace(caches[r], reuse, **({} if reuse else {"reference": residual.clone()}))
+    fbc = [i for i, r in enumerate(ran_first) if caches[r] is not None and caches[r].settings.kind == "first_block"]
+    if fbc:
+        residuals = x1.hidden[fbc] - x0.hidden[fbc]
+        changes = _relative_l1(residuals, [caches[ran_first[i]].reference for i in fbc])
+        for i, change, residual in zip(fbc, changes, residuals):
+            r = ran_first[i]
+            reuse = change <= caches[r].settings.threshold  # diffusers runs the blocks when change > threshold
+            if reuse:
+                skip_rest[r] = caches[r].residual + heads[r]
+            caches[r] = _replace(caches[r], reuse, **({} if reuse else {"reference": residual.clone()}))
+    return x1, heads, skip_rest
 
-        # 3. The rows that still need them run the remaining blocks, as one sub-batch.
-        ran_all = [i for i, r in enumerate(ran_first) if r not in skip_rest]
-        if ran_all:
-            x2 = x1.take(ran_all)
-            for block in rest:
-                x2 = x2.run(block, rope)
-            out_all = x2.hidden
-            ran_all = [ran_first[i] for i in ran_all]
-    if len(ran_all) == len(caches):
-        out = out_all
-    else:
-        out = torch.empty_like(hidden)
-        for r, value in (skip_all | skip_rest).items():
-            out[r] = value
-        if ran_all:
-            out[torch.tensor(ran_all, device=out.device)] = out_all
 
-    # 4. Rows that ran every block keep what the cached blocks added.
-    for r in rows:
-        cache = caches[r]
-        if cache is None or r in skip_all or r in skip_rest:
+def _run_remaining_blocks(rest, x1: _Rows | None, rope, ran_first: list[int], skip_rest: dict[int, torch.Tensor]
+                          ) -> tuple[list[int], torch.Tensor | None]:
+    """The blocks after the first over the rows of ``x1`` (``ran_first``) that do not skip them: those rows, and
+    their output (None when there are none)."""
+    ran_all = [i for i, r in enumerate(ran_first) if r not in skip_rest]
+    if not ran_all:
+        return [], None
+    x2 = x1.take(ran_all)
+    for block in rest:
+        x2 = x2.run(block, rope)
+    return [ran_first[i] for i in ran_all], x2.hidden
+
+
+def _gather(hidden: torch.Tensor, skipped: dict[int, torch.Tensor], ran_all: list[int], out_all: torch.Tensor | None
+            ) -> torch.Tensor:
+    """Every row's output of the blocks: reused for the rows that skipped, run for the others."""
+    if len(ran_all) == hidden.shape[0]:
+        return out_all
+    out = torch.empty_like(hidden)
+    for r, value in skipped.items():
+        out[r] = value
+    if ran_all:
+        out[torch.tensor(ran_all, device=out.device)] = out_all
+    return out
+
+
+def _keep_residuals(caches: list[BranchCache | None], hidden: torch.Tensor, heads: dict[int, torch.Tensor],
+                    out: torch.Tensor, skipped: set[int]) -> None:
+    """The rows that ran every block keep what the cached blocks added (TeaCache: all of them; first-block cache:
+    those after the first), their caches replaced."""
+    for r, cache in enumerate(caches):
+        if cache is None or r in skipped:
             continue
         start = hidden[r] if cache.settings.kind == "teacache" else heads[r]
         caches[r] = dataclasses.replace(cache, residual=out[r] - start)
-
-    temb_out = temb.chunk(2, dim=0)[0] if t.zero_cond_t else temb
-    return t.proj_out(t.norm_out(out, temb_out)), caches
 
 
 def _modulated_input(block, x: _Rows, zero_cond_t: bool) -> torch.Tensor:
