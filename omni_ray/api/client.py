@@ -17,6 +17,7 @@ Both return PIL images and raise ``RequestError`` (the request was invalid) or `
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -146,8 +147,9 @@ class Client:
         from tqdm import tqdm
 
         images = {}
-        with tqdm(desc="denoising", unit="step") as bar:
-            for event in self._stream(body, image):
+        # Closed however the loop ends, so the request stops at once when this caller stops reading.
+        with tqdm(desc="denoising", unit="step") as bar, contextlib.closing(self._stream(body, image)) as events:
+            for event in events:
                 kind = event["type"].rsplit(".", 1)[-1]  # image_generation.* or image_edit.*
                 if kind == "progress":
                     bar.total = event["total_steps"] * body.get("n", 1)
