@@ -10,7 +10,7 @@ For each request it
    stages chained by reference over ``deployments.stages.ServeStages``, ``n`` images fanned out, lost stage calls
    issued again, the deadline kept, every stage call cancelled when the caller goes away;
 6. and views the request's event stream: a JSON response drains it, server-sent events forward it, handle callers
-   get either.
+   get either (over Ray Client, which streams no handle call, the events put into a queue actor).
 
 Image files are written, base64-encoded and serialised on threads, never on the event loop. Serve builds one per
 coordinator replica over the stage deployments' handles; ``CrossEngineCoordinator.over`` builds the same class over
@@ -32,6 +32,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from ray.util.queue import Queue
 
 from deployments import metrics
 from deployments.http import bodies
@@ -176,6 +177,21 @@ class CrossEngineCoordinator:
         """The streamed events, as server-sent events carry them (``handle.options(stream=True)``)."""
         async for event in self.sse_events(await self.plan(body, image, mask=mask), request_id or uuid.uuid4().hex):
             yield event
+
+    async def generate_into(
+        self, queue: Queue, body: dict | ImageGenerationRequest, request_id: str | None = None,
+        image: bytes | Sequence[bytes] | None = None, mask: bytes | None = None,
+    ) -> None:
+        """The streamed events put into ``queue`` as they happen, then None: the stream for a caller that cannot
+        stream a handle call (Ray Client, which reads the queue). The request stops when the call is cancelled or
+        the queue is gone (its caller too)."""
+        try:
+            async with contextlib.aclosing(self.generate_stream(body, request_id, image, mask)) as events:
+                async for event in events:
+                    await queue.put_async(event)
+        finally:
+            with contextlib.suppress(Exception):  # a queue gone takes nothing more
+                await queue.put_async(None)
 
     # --- the one path and its views -----------------------------------------------------------------------------
 

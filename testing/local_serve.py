@@ -1,7 +1,7 @@
 """A local Ray cluster serving a Serve config, for tests and benchmarks: `ray start` then `serve run`.
 
     with LocalServe("config.yaml", model="/tmp/tiny") as served:
-        ...  # served.base_url, served.address
+        ...  # served.base_url, served.address, served.client_address (ray://, the head's Ray Client server)
 
 ``preset`` replaces the stage config the app is built from (a preset's YAML as a dict); ``env`` is added to the
 environment of the cluster's processes (``OMNI_RAY_API_KEY``, say). With ``workers``, more raylets join the head on
@@ -49,7 +49,7 @@ class LocalServe:
                  workers: list[dict[str, float]] = (), preset: dict | None = None, env: dict[str, str] | None = None):
         self.config = yaml.safe_load(pathlib.Path(config).read_text())
         self.preset = preset
-        self.port, self.gcs_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.port, self.gcs_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
         self.config["http_options"]["port"] = self.port
         if model is not None:
             self.config["applications"][0]["args"]["model"] = model
@@ -60,6 +60,7 @@ class LocalServe:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.address = f"127.0.0.1:{self.gcs_port}"
+        self.client_address = f"ray://127.0.0.1:{self.client_port}"  # not the default 10001: another cluster's
         # Metrics reach the exporter every second instead of every ten, so tests see them soon.
         self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
                         RAY_metrics_report_interval_ms="1000", **(env or {}))
@@ -75,7 +76,8 @@ class LocalServe:
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(self.config))
         subprocess.run(
             [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
-             f"--metrics-export-port={self.metrics_port}", "--include-dashboard=false", "--disable-usage-stats",
+             f"--metrics-export-port={self.metrics_port}", f"--ray-client-server-port={self.client_port}",
+             "--include-dashboard=false", "--disable-usage-stats",
              f"--resources={json.dumps(self.head_resources)}"],
             check=True, env=self.env, capture_output=True, timeout=120,
         )

@@ -2,6 +2,7 @@
 attached by build_api, driven by starlette's TestClient. test_serve.py runs the same routes over the real stage
 deployments."""
 
+import asyncio
 import base64
 import io
 import json
@@ -16,7 +17,7 @@ from deployments.http.api_keys import ApiKeys
 from deployments.http.routes import ROUTES
 from omni_ray.api.images import working_size
 from omni_ray.config import LoraEntry, LoraSettings, load_config
-from omni_ray.errors import OverloadedError
+from omni_ray.errors import OverloadedError, RequestError
 from omni_ray.runners import lora as lora_module
 from omni_ray.runners.lora import AdapterFiles
 from testing import coordinator
@@ -367,3 +368,41 @@ def test_the_dit_shares_steps_between_api_keys_or_else_users(config):
     open_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "user": "alice"})
     open_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64"})
     assert [call.args[1].tenant for call in stages.calls_to("denoise")] == ["alice", ""]
+
+
+class ListQueue:
+    """What ``generate_into`` puts events into (a ``ray.util.queue.Queue`` across Ray), as a list; its actor dies
+    after ``lives_for`` puts."""
+
+    def __init__(self, lives_for: int | None = None):
+        self.items, self.lives_for = [], lives_for
+
+    async def put_async(self, item):
+        if self.lives_for is not None and len(self.items) >= self.lives_for:
+            raise RuntimeError("the actor died")  # Ray's ActorDiedError
+        self.items.append(item)
+
+
+def test_generate_into_puts_the_stream_then_none_and_stops_the_request_when_its_queue_is_gone(config):
+    """The stream of a Ray Client caller (issue 35), which Ray Client cannot stream a handle call to."""
+    body = {"prompt": "a cat", "size": "64x64", "seed": 3, "num_inference_steps": 2, "progress": True}
+    queue = ListQueue()
+    asyncio.run(coordinator.coordinator(config).generate_into(queue, body))
+    assert [item and item["type"] for item in queue.items] == ["image_generation.progress"] * 2 + [
+        "image_generation.completed", None]
+    refused = ListQueue()
+    with pytest.raises(RequestError, match="n"):  # the call's error, once None tells the caller to look
+        asyncio.run(coordinator.coordinator(config).generate_into(refused, {**body, "n": 11}))
+    assert refused.items == [None]
+
+    stages = FakeStages(hang="decode")
+    gone = coordinator.coordinator(config, stages)
+
+    async def caller_gone():
+        with pytest.raises(RuntimeError, match="died"):
+            await gone.generate_into(ListQueue(lives_for=1), {**body, "n": 2})
+        await asyncio.sleep(0.05)  # the request's calls are cancelled on the next turns of the loop
+
+    asyncio.run(caller_gone())
+    assert (gone.in_flight, gone.served) == (0, 1)  # the request ended
+    assert stages.calls_to("encode_prompt")[0].cancelled and all(call.cancelled for call in stages.calls_to("decode"))

@@ -37,8 +37,8 @@ def served(tiny_dir, tmp_path_factory):
     preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
     preset["lora"] = {"allow_runtime_updates": True, "roots": [str(adapters)]}
     with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=preset) as local:
-        yield {"base": local.base_url, "address": local.address, "metrics": local.metrics_url, "local": local,
-               "adapters": adapters}
+        yield {"base": local.base_url, "address": local.address, "client": local.client_address,
+               "metrics": local.metrics_url, "local": local, "adapters": adapters}
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +245,74 @@ def test_python_client_through_ray_and_http(served, reference):
     for images in (via_ray, via_http):
         assert images[0].size == (64, 64)
         assert within_one_level(np.asarray(images[0]), reference_pixels)
+
+
+LONG = {"prompt": "a very long request", "size": "512x512", "seed": 1, "num_inference_steps": 200,
+        "negative_prompt": "blurry"}  # many seconds: a request stopped after its first step runs far fewer
+
+
+def assert_one_more_aborted_after_few_steps(served, before: dict) -> None:
+    deadline = time.monotonic() + 10
+    while (dit := stage_stats(served)["DiT"])["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert dit["running"] == 0 and dit["aborted"] == before["aborted"] + 1
+    assert dit["steps"] - before["steps"] < 150
+
+
+def queue_actors() -> list:
+    import psutil
+
+    titles = [(p.info["cmdline"] or [""])[0] for p in psutil.process_iter(["cmdline"])]
+    return [title for title in titles if title.startswith("ray::_QueueActor")]  # ".get" while in a method
+
+
+def test_the_python_client_over_ray_client_streams_as_it_happens_and_a_stream_left_stops(served, capsys):
+    """Issue 35: the Python client from outside the cluster, through the head's Ray Client server (`ray://`),
+    which streams no handle call: a plain and a streamed generation give the same image, the streamed one's
+    progress drawn before the image came (through a queue actor the coordinator puts the events into as they
+    happen); a client that stops reading after the first event stops the request there and leaves no queue."""
+    import ray
+
+    from omni_ray.api.client import Client
+
+    before = stage_stats(served)["DiT"]
+    try:
+        client = Client.ray(address=served["client"])
+        plain = client.generate("a red cat", size="64x64", seed=11, num_inference_steps=3)
+        streamed = client.generate("a red cat", size="64x64", seed=11, num_inference_steps=3, progress=True)
+        events = client._stream(LONG, None)  # what `progress=True` reads, left after the first event
+        first = next(events)
+        events.close()
+        deadline = time.monotonic() + 10  # gone while the session lasts (its end would take the queue too)
+        while (queues := queue_actors()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        ray.shutdown()
+    assert plain[0].size == (64, 64) and np.asarray(streamed[0]).tolist() == np.asarray(plain[0]).tolist()
+    assert "3/3" in capsys.readouterr().err  # a step of the bar per progress event, then the image
+    assert (first["type"], first["step"]) == ("image_generation.progress", 1)
+    assert_one_more_aborted_after_few_steps(served, before)
+    assert queues == []
+
+
+def test_a_ray_client_driver_that_dies_mid_stream_stops_its_request(served):
+    """Its session ends (here at once: Ray Client's default keeps it 30 s for the driver to reconnect), the queue
+    it owned goes with it, and the coordinator stops the request at its next event."""
+    import os
+    import subprocess
+    import sys
+
+    driver = ("import json, os, sys\n"
+              "from omni_ray.api.client import Client\n"
+              "events = Client.ray(address=sys.argv[1])._stream(json.loads(sys.argv[2]), None)\n"
+              "print(next(events)['type'], flush=True)\n"
+              "os._exit(0)\n")
+    before = stage_stats(served)["DiT"]
+    died = subprocess.run([sys.executable, "-c", driver, served["client"], json.dumps(LONG)], check=False,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RAY_CLIENT_RECONNECT_GRACE_PERIOD="0"))
+    assert died.stdout == "image_generation.progress\n", died.stderr[-2000:]
+    assert_one_more_aborted_after_few_steps(served, before)
 
 
 def test_sixteen_concurrent_requests_complete_and_batch_in_the_dit(served):

@@ -1,10 +1,12 @@
-"""A Python client for a running omni-ray app: over HTTP from anywhere, or through Ray from inside the cluster.
+"""A Python client for a running omni-ray app: over HTTP from anywhere, or through Ray from inside the cluster (or
+from outside it, through the head's Ray Client server).
 
     from omni_ray.api.client import Client
 
     images = Client.http("http://127.0.0.1:8000").generate("a red cat", size="256x256", seed=0)
     images = Client.http(api_key="...").generate("a red cat")    # a server with OMNI_RAY_API_KEY set
     images = Client.ray(address="auto").generate("a red cat", n=4)   # after the app is deployed
+    images = Client.ray(address="ray://head:10001").generate("a red cat", progress=True)  # from outside: Ray Client
     images = Client.http().edit("cat.png", "make the cat blue")      # an app serving an edit preset
     images = Client.http().edit(["a.png", "b.png"], "put the cat on the sofa")   # an Edit-Plus preset
     images = Client.http().edit("cat.png", "a dog", mask="mask.png")  # repaint where the PNG mask is transparent
@@ -15,6 +17,7 @@ Both return PIL images and raise ``RequestError`` (the request was invalid) or `
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import pathlib
@@ -90,7 +93,9 @@ class Client:
 
     @classmethod
     def ray(cls, address: str | None = "auto", app_name: str = APP_NAME) -> Client:
-        """A client that calls the app's ingress through its ``DeploymentHandle``: no HTTP on the way."""
+        """A client that calls the app's ingress through its ``DeploymentHandle``: no HTTP on the way. ``address``
+        may be a Ray Client one (``ray://head:10001``), from outside the cluster: Ray Client streams no handle call,
+        so a streamed request's events come through a queue actor the coordinator puts them into as they happen."""
         import ray
         from ray import serve
         from ray.exceptions import RayTaskError
@@ -98,6 +103,7 @@ class Client:
         if not ray.is_initialized():
             connect_ray(address)
         handle = serve.get_app_handle(app_name)
+        through_ray_client = ray.util.client.ray.is_connected()
 
         def send(body: dict, uploads: Uploads | None) -> dict:
             images, mask = uploads or (None, None)
@@ -108,9 +114,12 @@ class Client:
 
         def stream(body: dict, uploads: Uploads | None) -> Iterator[dict]:
             images, mask = uploads or (None, None)
+            body = {**body, "progress": True}
             try:
-                yield from handle.options(stream=True).generate_stream.remote({**body, "progress": True}, image=images,
-                                                                              mask=mask)
+                if through_ray_client:
+                    yield from _queued_events(handle, body, images, mask)
+                else:
+                    yield from handle.options(stream=True).generate_stream.remote(body, image=images, mask=mask)
             except RayTaskError as err:
                 raise err.cause from None
 
@@ -138,8 +147,9 @@ class Client:
         from tqdm import tqdm
 
         images = {}
-        with tqdm(desc="denoising", unit="step") as bar:
-            for event in self._stream(body, image):
+        # Closed however the loop ends, so the request stops at once when this caller stops reading.
+        with tqdm(desc="denoising", unit="step") as bar, contextlib.closing(self._stream(body, image)) as events:
+            for event in events:
                 kind = event["type"].rsplit(".", 1)[-1]  # image_generation.* or image_edit.*
                 if kind == "progress":
                     bar.total = event["total_steps"] * body.get("n", 1)
@@ -149,6 +159,37 @@ class Client:
                 elif kind == "error":
                     raise _error_from_body(500, json.dumps(event).encode())
         return [images[index] for index in sorted(images)]
+
+
+def _queued_events(handle, body: dict, images: list[bytes] | None, mask: bytes | None) -> Iterator[dict]:
+    """A streamed call's events over Ray Client, which streams no handle call: the coordinator puts them into a
+    queue actor in the cluster as they happen (``generate_into``), then None. A caller that stops reading cancels
+    the call; the queue is killed however the call ends, and, owned by this Ray Client session, dies with it too,
+    which the coordinator takes as its caller gone."""
+    from ray.util.queue import Empty, Queue
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    response = handle.generate_into.remote(queue, body, image=images, mask=mask)
+    ended = False
+    try:
+        while True:
+            try:
+                event = queue.get(timeout=1.0)
+            except Empty:  # nothing yet, or a call that ended without its None (its replica lost): its error
+                try:
+                    response.result(timeout_s=0)
+                except TimeoutError:
+                    continue
+                event = None
+            if event is None:
+                ended = True
+                response.result()  # the coordinator's refusal, if it refused
+                return
+            yield event
+    finally:
+        if not ended:
+            response.cancel()
+        queue.shutdown(force=True)
 
 
 def _file_bytes(image) -> bytes:
