@@ -142,6 +142,11 @@ class CrossEngineCoordinator:
         self.authorize(request)
         return await self.adapters.model_list()
 
+    async def model(self, request: Request, model: str) -> dict:
+        """One model of the list (OpenAI's ``models.retrieve``); 404 naming ``model`` for any other."""
+        self.authorize(request)
+        return await self.adapters.model(model)
+
     async def load_lora_adapter(self, request: Request) -> JSONResponse:
         with self._counting_errors():
             self.authorize(request)

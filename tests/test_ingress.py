@@ -206,7 +206,7 @@ def test_a_run_time_adapter_s_recipe_fills_the_fields_a_request_leaves_out(confi
 
 
 KEYED_ROUTES = [("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
-                ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
+                ("GET", "/v1/models/{model}"), ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
 
 
 def test_every_v1_route_takes_an_api_key_when_the_server_has_keys(config):
@@ -218,7 +218,7 @@ def test_every_v1_route_takes_an_api_key_when_the_server_has_keys(config):
              {"Authorization": "Basic sk-first"}]
     for method, path in KEYED_ROUTES:
         for headers in wrong:
-            response = client.request(method, path, headers=headers, json={"prompt": "a cat"})
+            response = client.request(method, path.format(model=config.name), headers=headers, json={"prompt": "a cat"})
             error = response.json()["error"]
             assert response.status_code == 401, (path, headers)
             assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_api_key", None)

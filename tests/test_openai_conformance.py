@@ -136,3 +136,21 @@ def test_the_official_client_reads_every_event_typed(generations, edits):
                                           stream=True, partial_images=1))
     assert [type(e).__name__ for e in edited] == ["ImageEditPartialImageEvent", "ImageEditCompletedEvent"]
     assert [m.id for m in client.models.list()] == ["qwen-image-tiny"]
+
+
+def test_the_official_client_retrieves_a_model_and_every_unknown_route_is_an_openai_error(generations):
+    """``models.retrieve`` (``GET /v1/models/{model}``), its 404 as the client raises it, and the router's own
+    refusals (a path no route has, a method a path does not take) in OpenAI's error body."""
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=generations)
+    model = client.models.retrieve("qwen-image-tiny")
+    assert (model.id, model.object, model.owned_by) == ("qwen-image-tiny", "model", "omni-ray")
+    conforms("Model", generations.get("/v1/models/qwen-image-tiny").json())
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("dall-e-3")
+    assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+    for method, path, status in (("GET", "/v1/images/variations", 404), ("POST", "/nowhere", 404),
+                                 ("GET", "/v1/images/generations", 405), ("DELETE", "/v1/models", 405)):
+        response = generations.request(method, path)
+        assert response.status_code == status and not schema_errors("ErrorResponse", response.json()), (method, path)
+        assert f"{method} {path}" in response.json()["error"]["message"]
+        assert status != 405 or response.headers["allow"] in ("POST", "GET")

@@ -49,10 +49,17 @@ def reference(tiny_dir):
 
 
 def test_models_and_health(served):
+    import openai
+
     with urllib.request.urlopen(served["base"] + "/v1/models") as response:
         assert json.loads(response.read())["data"][0]["id"] == "qwen-image-tiny"
     with urllib.request.urlopen(served["base"] + "/health") as response:
         assert response.status == 200
+    assert openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused").models.retrieve("qwen-image-tiny").id \
+        == "qwen-image-tiny"
+    status, body = post(served["base"] + "/v1/images/variations", {"prompt": "a cat"})  # no such route here
+    assert status == 404 and body["error"]["type"] == "invalid_request_error" and "POST /v1/images/variations" in \
+        body["error"]["message"]
 
 
 def test_replicas_run_their_presets_threads_and_idle_threads_sleep(served):

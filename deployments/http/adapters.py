@@ -125,6 +125,15 @@ class Adapters:
                                                     "owned_by": "omni-ray", "parent": self.config.name}
                                                    for name, created in adapters.items())]}
 
+    async def model(self, name: str) -> dict:
+        """One model of ``model_list``; NotFoundError (404, ``model_not_found``) naming ``model`` for any other."""
+        listed = await self.model_list()
+        for model in listed["data"]:
+            if model["id"] == name:
+                return model
+        known = ", ".join(model["id"] for model in listed["data"])
+        raise NotFoundError(f"model: {name!r} does not exist here; the models are {known}", param="model")
+
     async def load(self, request: Request, stages: Stages) -> dict:
         """Adds an adapter (``{"lora_name", "lora_path"}``) once a DiT replica has found the file under
         ``lora.roots`` and fitting the transformer; a path outside the roots or a broken file is a 400 naming
