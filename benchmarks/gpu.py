@@ -32,9 +32,10 @@ import pathlib
 import time
 
 from benchmarks import write_report
-from omni_ray.checkpoints.full_size import BASE_CONFIGS, CONFIG_DIR, parameter_counts, published_configs
+from omni_ray.checkpoints.full_size import BASE_CONFIGS, CONFIG_DIR, published_configs
 from omni_ray.qwen_image import LATENT_CHANNELS, PUBLISHED_PARAMS, TEXT_HIDDEN, image_tokens
 from omni_ray.runners.gpu_costs import dit_pass_flops
+from testing.full_size import parameter_counts
 
 _SCHEDULER_FILE = CONFIG_DIR / "scheduler" / "scheduler_config.json"
 SCHEDULER_CONFIG = {k: v for k, v in json.loads(_SCHEDULER_FILE.read_text()).items() if not k.startswith("_")}

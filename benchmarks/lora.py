@@ -149,7 +149,7 @@ def flops_shares(rank: int) -> dict:
     """The LoRA FLOP share for the small checkpoint and for Qwen-Image at full size (built on the meta device)."""
     from torch import nn
 
-    from omni_ray.checkpoints.full_size import build_meta
+    from testing.full_size import build_meta
     from testing.lora_files import TARGETS
 
     full = build_meta()["transformer"]

@@ -112,8 +112,8 @@ class Pipeline:
         request_id: str | None = None,
         output: OutputMode = "pixels",
     ) -> AsyncIterator[RequestEvent]:
-        """The request's event stream; an edit preset takes ``image`` (``load_input_image``'s pixels, or
-        ``load_input_images``' several)."""
+        """The request's event stream; an edit preset takes ``image`` (one image's pixels at its working size, or
+        ``api.images.load_inputs``' inputs)."""
         plan = plan_request(body, self.config, self.tokenizer.num_tokens, image, self.config.loras)
         return run_request(self.stages, plan, request_id or uuid.uuid4().hex, self.config.requests, output)
 

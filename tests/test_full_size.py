@@ -138,8 +138,9 @@ def test_the_edit_plus_and_2511_presets_load_and_are_edit_plus_presets_over_qwen
     import typing
 
     from omni_ray import checkpoints
-    from omni_ray.checkpoints.full_size import build_meta, parameter_counts, write_configs
+    from omni_ray.checkpoints.full_size import write_configs
     from omni_ray.config import PipelineConfig, load_config
+    from testing.full_size import build_meta, parameter_counts
 
     assert list(typing.get_args(PipelineConfig.model_fields["configs"].annotation)) == published_configs()
     presets = REPO / "stage_configs"
