@@ -10,6 +10,7 @@ from conftest import REPO
 from omni_ray.config import load_config
 from omni_ray.engine.builders import build_encoder_core
 from omni_ray.engine.prompt_cache import PromptCache
+from omni_ray.engine.stats import EncoderStats, PromptCacheStats
 from omni_ray.records import EncodeRequest, PromptEmbeds
 
 
@@ -62,6 +63,8 @@ def test_a_repeated_prompt_skips_vllm_and_returns_the_same_embeddings(tiny_dir):
     config = load_config(REPO / "stage_configs/qwen_image_tiny.yaml", model=str(tiny_dir))
     core = build_encoder_core(config)
     try:
+        assert core.stats() == EncoderStats(0, PromptCacheStats(0, 0, 0, 0))  # an empty cache is one too
+
         def encode(request: EncodeRequest):
             start, steps = time.perf_counter(), 0
             core.add_request(request)
@@ -73,6 +76,7 @@ def test_a_repeated_prompt_skips_vllm_and_returns_the_same_embeddings(tiny_dir):
 
         first, _, cold_s = encode(EncodeRequest("a", "a red cat on a mat", "blurry"))
         assert core.num_encoded == 2 and (core.cache.num_hits, core.cache.num_misses) == (0, 2)
+        assert core.stats().prompt_cache == PromptCacheStats(0, 2, 2, core.cache.nbytes) and core.cache.nbytes > 0
         again, steps, warm_s = encode(EncodeRequest("b", "a red cat on a mat", "blurry"))
         assert core.num_encoded == 2 and core.cache.num_hits == 2  # vLLM ran nothing
         assert steps == 1 and warm_s < cold_s / 5, (warm_s, cold_s)

@@ -148,8 +148,10 @@ class EncoderEngineCore:
 
     def stats(self) -> EncoderStats:
         cache = self.cache
-        return EncoderStats(self.num_encoded, cache and PromptCacheStats(cache.num_hits, cache.num_misses, len(cache),
-                                                                          cache.nbytes))
+        if cache is None:
+            return EncoderStats(self.num_encoded, None)
+        return EncoderStats(self.num_encoded, PromptCacheStats(cache.num_hits, cache.num_misses, len(cache),
+                                                               cache.nbytes))
 
     def shutdown(self) -> None:
         self.encoder.shutdown()
