@@ -89,6 +89,17 @@ def test_the_request_path_and_the_api_import_without_torch_model_code_or_ray():
                                                                                        "omni_ray.engine"))]
 
 
+def test_deployments_reach_model_runners_only_through_the_engine_builders():
+    """The Serve layer imports no model runner and no model library; the stage deployments build their engines with
+    ``omni_ray.engine.builders``, which picks the runners."""
+    imports = {name: _imported(path, set()) for name, path in _modules("deployments").items()}
+    runners = {name: sorted(m for m in found if m.startswith("omni_ray.runners") or m.split(".")[0] in MODEL_CODE)
+               for name, found in imports.items()}
+    assert {name: found for name, found in runners.items() if found} == {}
+    assert {name for name, found in imports.items() if "omni_ray.engine.builders" in found} == {
+        "deployments.encoder", "deployments.dit", "deployments.vae"}
+
+
 @pytest.mark.parametrize("test_module", ["test_schedulers", "test_request_path"])
 def test_scheduler_and_request_path_tests_load_no_model_code(test_module):
     code = (f"sys.path[:0] = ['tests', '.']\nimport {test_module}\n"
