@@ -51,9 +51,13 @@ class StageDeployment:
         dashboard. Once a second without a step, this sets what the stage holds and 0 for the batch."""
         while True:
             time.sleep(period_s)
-            if time.monotonic() - self.last_step_at >= period_s:
+            if time.monotonic() - self.last_step_at < period_s:
+                continue
+            try:
                 metrics.running_batch_size.set(0, tags=self.tags)
                 self._set_gauges(self.engine.stats)
+            except Exception:  # a gauge's bug must show, and must not stop the others being kept fresh
+                logger.exception("%s: setting the idle gauges failed", self.stage)
 
     def _set_gauges(self, stats: EngineStats) -> None:
         """The gauges of what the stage holds, from its engine's latest stats."""

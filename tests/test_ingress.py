@@ -406,3 +406,56 @@ def test_generate_into_puts_the_stream_then_none_and_stops_the_request_when_its_
     asyncio.run(caller_gone())
     assert (gone.in_flight, gone.served) == (0, 1)  # the request ended
     assert stages.calls_to("encode_prompt")[0].cancelled and all(call.cancelled for call in stages.calls_to("decode"))
+
+
+class RaceQueue:
+    """A Ray Client caller's queue (``ray.util.queue.Queue``'s ``get``) whose wait times out just before the call
+    puts its last events and returns: they are there once the caller sees the call over."""
+
+    def __init__(self, response, last):
+        self.items, self.response, self.last = ["progress"], response, last
+
+    def get(self, block=True, timeout=None):
+        from ray.util.queue import Empty
+
+        if not self.items:
+            if self.response.done:
+                raise Empty
+            self.items, self.response.done = list(self.last), True  # put, and returned, as the wait timed out
+            raise Empty
+        return self.items.pop(0)
+
+    def shutdown(self, force=False):
+        self.shut = True
+
+
+class DoneResponse:
+    done = cancelled = False
+
+    def result(self, timeout_s=None):
+        if not self.done:
+            raise TimeoutError
+        return None
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_ray_client_stream_reads_what_the_call_put_before_it_returned(monkeypatch):
+    """The queue's wait can time out just before the call puts its last events and returns: they are read, not lost
+    (the image would be)."""
+    from ray.util import queue as ray_queue
+
+    from omni_ray.api import client
+
+    response = DoneResponse()
+    queue = RaceQueue(response, ["completed", None])
+    monkeypatch.setattr(ray_queue, "Queue", lambda actor_options: queue)
+    handle = type("Handle", (), {"generate_into": type("M", (), {"remote": staticmethod(lambda *a, **k: response)})})
+    assert list(client._queued_events(handle, {}, None, None)) == ["progress", "completed"]
+    assert queue.shut and not response.cancelled
+    lost = DoneResponse()  # a call that ended without its None (its replica lost) ends the stream
+    lost_queue = RaceQueue(lost, [])
+    monkeypatch.setattr(ray_queue, "Queue", lambda actor_options: lost_queue)
+    lost_handle = type("Handle", (), {"generate_into": type("M", (), {"remote": staticmethod(lambda *a, **k: lost)})})
+    assert list(client._queued_events(lost_handle, {}, None, None)) == ["progress"]

@@ -170,17 +170,18 @@ def _queued_events(handle, body: dict, images: list[bytes] | None, mask: bytes |
 
     queue = Queue(actor_options={"num_cpus": 0})
     response = handle.generate_into.remote(queue, body, image=images, mask=mask)
-    ended = False
+    returned = ended = False  # returned: the call is over, so everything it put is in the queue
     try:
         while True:
             try:
-                event = queue.get(timeout=1.0)
-            except Empty:  # nothing yet, or a call that ended without its None (its replica lost): its error
-                try:
-                    response.result(timeout_s=0)
-                except TimeoutError:
-                    continue
-                event = None
+                event = queue.get(block=not returned, timeout=1.0)
+            except Empty:
+                if returned:  # it ended without its None (its replica lost): its error
+                    ended = True
+                    response.result()
+                    return
+                returned = _returned(response)  # raises the call's own error
+                continue
             if event is None:
                 ended = True
                 response.result()  # the coordinator's refusal, if it refused
@@ -190,6 +191,15 @@ def _queued_events(handle, body: dict, images: list[bytes] | None, mask: bytes |
         if not ended:
             response.cancel()
         queue.shutdown(force=True)
+
+
+def _returned(response) -> bool:
+    """Whether a handle call is over (raising its error if it failed), without waiting."""
+    try:
+        response.result(timeout_s=0)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _file_bytes(image) -> bytes:

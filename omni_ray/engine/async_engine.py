@@ -163,13 +163,13 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.core = self.build_core()
+            self._publish()  # stats before anyone can read them
         except BaseException as err:
             self._build_error = err
             return
         finally:
             self._ready.set()
         try:
-            self._publish()
             self._loop()
         finally:
             for request_id in list(self._callers):
