@@ -6,9 +6,9 @@ diffusers' ``QwenImagePipeline`` and ``VaeImageProcessor`` do (``output_type="pi
 Encoding preprocesses, takes the latent distribution's mode, normalises and packs, as
 ``QwenImageEditPipeline.prepare_latents`` does (Edit-Plus's pipeline encodes each of its images so). The VAE itself
 runs as 2-D convolutions on one frame (``vae_frame``) in channels-last layout: on the CPU the fastest layout here,
-and on the tiny and full-size VAEs one whose pixels did not depend on the batch size (oneDNN does not promise it: a VAE 16 channels wide differed by one
-level in 4 pixels of 16,384 between a batch of one and of two); on CUDA the layout cuDNN's fastest convolutions
-take, with its autotuner on.
+and on the tiny and full-size VAEs one whose pixels did not depend on the batch size (oneDNN does not promise it: a
+VAE 16 channels wide differed by one level in 4 pixels of 16,384 between a batch of one and of two); on CUDA the
+layout cuDNN's fastest convolutions take, with its autotuner on.
 """
 
 from __future__ import annotations
