@@ -193,6 +193,41 @@ class CacheSettings(_Frozen):
     )
 
 
+class ParallelSettings(_Frozen):
+    """How one DiT replica splits a request over a gang of ranks (one process, and on GPU presets one GPU, each).
+    The gang's world size is the product of the four degrees; 1 everywhere (the default) is one process."""
+
+    cfg: Literal[1, 2] = Field(
+        1, description="2: a true-CFG row's conditional and unconditional passes run on two ranks (one exchange of "
+        "predictions per step); rows without true CFG are split between them.",
+    )
+    ulysses: PositiveInt = Field(
+        1, description="Ulysses sequence parallelism: each row's image and text tokens split over this many ranks, "
+        "an all-to-all on heads around attention. The heads must divide by ulysses x tensor.",
+    )
+    ring: PositiveInt = Field(
+        1, description="Ring attention: keys and values passed round this many ranks, merged with online softmax "
+        "(sequence split as with ulysses; the two compose).",
+    )
+    tensor: PositiveInt = Field(
+        1, description="Tensor parallelism: attention heads and MLP columns sharded over this many ranks, one "
+        "all-reduce per sub-block; each rank holds 1/tensor of the blocks' weights and of each adapter's.",
+    )
+    timeout_s: float = Field(
+        120.0, gt=0, description="A collective that waits longer fails the step (a rank died or hangs), so the "
+        "replica turns unhealthy and Serve replaces the gang.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg * self.ulysses * self.ring * self.tensor
+
+    @property
+    def sequence(self) -> int:
+        """Ranks one row's tokens are split over."""
+        return self.ulysses * self.ring
+
+
 class DiTConfig(_StageConfig):
     """The diffusion transformer stage: step-level continuously batched denoising."""
 
@@ -242,6 +277,12 @@ class DiTConfig(_StageConfig):
     max_loras: PositiveInt = Field(
         4, description="LoRA adapters each DiT replica holds on its device at most; the least recently used idle one "
         "leaves first when another is needed.",
+    )
+    parallel: ParallelSettings = Field(
+        default_factory=ParallelSettings,
+        description="One request on several ranks: CFG-parallel, Ulysses and ring sequence parallelism, tensor "
+        "parallelism (docs/parallel.md). Above world size 1 each replica is a gang of that many Ray actors in the "
+        "replica's placement group, one GPU each on GPU presets.",
     )
     quantization: Literal["none", "fp8"] = Field(
         "none",
