@@ -12,6 +12,7 @@ rotary shapes, and the prediction for them is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -35,6 +36,8 @@ from omni_ray.runners.denoise_state import DenoiseState, prepare_state
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
+from omni_ray.runners.parallel.mesh import Mesh
+from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.quantization import quantize_fp8
 from omni_ray.runners.random_weights import random_model
 
@@ -50,7 +53,9 @@ class DenoiseRunner:
         scheduler_config: dict,
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE,
         max_loras: int = 4,
+        mesh: Mesh | None = None,
     ):
+        self.mesh = mesh or Mesh.single()  # this rank's place in the replica's gang
         self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
         self.transformer = transformer.eval()
         use_real_rope(transformer)
@@ -65,7 +70,7 @@ class DenoiseRunner:
     def load(
         cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False, max_loras: int = 4,
-        compile: bool = False, quantization: str = "none",
+        compile: bool = False, quantization: str = "none", mesh: Mesh | None = None,
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
@@ -85,7 +90,7 @@ class DenoiseRunner:
             logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
         if compile:
             compile_blocks(transformer)
-        return cls(transformer, scheduler_config, teacache_coefficients, max_loras)
+        return cls(transformer, scheduler_config, teacache_coefficients, max_loras, mesh)
 
     def warm_up(self, height: int, width: int, text_tokens: int = 64) -> float:
         """Steps an image of this size alone, with true CFG, and with true CFG and a shorter negative prompt, so
@@ -129,14 +134,18 @@ class DenoiseRunner:
         return output
 
     def _admit(self, requests: list[DenoiseRequest], errors: dict[str, EngineError]) -> None:
-        """Prepares each new request's state; a bad request fails alone."""
+        """Prepares each new request's state; a bad request fails alone. In a gang every rank admits the same
+        requests in the same order, so a cached request's CFG rank (``parallel.split``) is the same on each."""
         for request in requests:
             try:
-                self.states[request.request_id] = self.prepare(
-                    request.params, request.prompt, request.negative, request.images, request.start
-                )
+                state = self.prepare(request.params, request.prompt, request.negative, request.images, request.start)
             except Exception as err:
                 errors[request.request_id] = request_failure(err)
+                continue
+            if state.caches and self.mesh.cfg.size > 1:
+                homes = [s.home for s in self.states.values() if s.home is not None]
+                state.home = min(range(self.mesh.cfg.size), key=lambda r: (homes.count(r), r))
+            self.states[request.request_id] = state
 
     def _report(self, states: dict[str, DenoiseState], output: DenoiseOutput) -> None:
         """The stepped requests' progress, the previews they asked for, and the finished ones' latents (their states
@@ -155,6 +164,9 @@ class DenoiseRunner:
     def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, EngineError]) -> None:
         """Steps the batch; if that fails, steps each request alone so that only the failing ones fail."""
         if not states:
+            return
+        if self.mesh.world.size > 1:  # ranks stepping requests alone could wait on different collectives
+            self.step(list(states.values()))
             return
         started_at = {request_id: state.step_index for request_id, state in states.items()}
         try:
@@ -207,25 +219,46 @@ class DenoiseRunner:
         self, states: list[DenoiseState]
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[BranchCache | None]]:
         """The transformer's conditional prediction for every state, with true CFG the unconditional one, and the
-        caches after the step (the conditional passes' in state order, then the unconditional ones'). One forward:
-        the unconditional rows ride behind the conditional ones, text padded to the longest of both."""
+        caches after the step (the conditional passes' in state order, then the unconditional ones'). On one rank,
+        one forward: the unconditional passes ride behind the conditional ones, text padded to the longest of both.
+        With CFG ranks, each runs its passes (``parallel.split.assign_passes``) and one all-gather hands every rank
+        every pass's prediction; a pass's cache stays on the rank that ran it, the others count its decision."""
+        cfg = states[0].params.true_cfg
+        passes = [(state, 0) for state in states] + ([(state, 1) for state in states] if cfg else [])
+        comm = self.mesh.cfg
+        ranks = assign_passes([s.home for s, _ in passes], [branch for _, branch in passes], cfg, comm.size)
+        mine = [i for i, rank in enumerate(ranks) if rank == comm.rank]
+        before = [s.caches[branch] if s.caches else None for s, branch in passes]
+        prediction, caches = self._forward_passes([passes[i] for i in mine]) if mine else (None, [])
+        if comm.size > 1:
+            like = states[0].latents.new_zeros(self._prediction_shape(states[0]))
+            prediction = gather_passes(comm, ranks, prediction, like)
+            reused = gather_passes(comm, ranks, torch.tensor(
+                [float(c is not None and c.reused > b.reused) for c, b in zip(caches, [before[i] for i in mine])]
+            ) if mine else None, torch.zeros(()))
+            local = dict(zip(mine, caches))
+            caches = [local[i] if i in local else _counted(before[i], bool(reused[i])) for i in range(len(passes))]
+        rows = len(states)
+        return prediction[:rows], (prediction[rows:] if cfg else None), caches
+
+    def _prediction_shape(self, state: DenoiseState) -> tuple[int, int]:
+        """One pass's prediction: every image token (an edit's input images' included), the output channels."""
+        tokens = state.latents.shape[1] + (state.image.shape[1] if state.image is not None else 0)
+        return tokens, self.transformer.config.out_channels * self.transformer.config.patch_size ** 2
+
+    def _forward_passes(self, passes: list[tuple[DenoiseState, int]]) -> tuple[torch.Tensor, list[BranchCache | None]]:
+        """One forward over these passes (state, branch: 0 conditional, 1 unconditional): their predictions in
+        order, and their caches after the step."""
+        states = [state for state, _ in passes]
         latents = torch.cat([s.latents for s in states])
         if states[0].image is not None:  # edits: the images' tokens follow the noisy ones
             latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)
-        rows = len(states)
-        cfg = states[0].params.true_cfg
-        passes = 2 if cfg else 1
         timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
-        texts = [s.prompt for s in states] + ([s.negative for s in states] if cfg else [])
-        caches = [s.caches[branch] if s.caches else None for branch in range(passes) for s in states]
-        if cfg:
-            latents, timesteps = latents.repeat(2, 1, 1), timesteps.repeat(2)
-        prediction, caches = self._forward(
-            latents, timesteps, texts, [s.img_shapes for s in states] * passes, caches,
-            [(s.step_index, s.num_steps) for s in states] * passes, [s.params.lora for s in states] * passes,
+        return self._forward(
+            latents, timesteps, [s.negative if branch else s.prompt for s, branch in passes],
+            [s.img_shapes for s in states], [s.caches[branch] if s.caches else None for s, branch in passes],
+            [(s.step_index, s.num_steps) for s in states], [s.params.lora for s in states],
         )
-        uncond = prediction[rows:] if cfg else None
-        return prediction[:rows], uncond, caches
 
     def _forward(
         self,
@@ -243,7 +276,7 @@ class DenoiseRunner:
         timestep = timesteps.to(latents.dtype) / 1000
         return cached_forward(
             self.transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, self.teacache_coefficients,
-            self.loras.rows(loras),
+            self.loras.rows(loras), self.mesh.sequence,
         )
 
     def finish(self, state: DenoiseState) -> Latents:
@@ -256,6 +289,14 @@ class DenoiseRunner:
         return Latents(
             to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )
+
+
+def _counted(cache: BranchCache | None, reused: bool) -> BranchCache | None:
+    """Another CFG rank's pass, as this rank keeps it: its decision counted, its tensors left on that rank."""
+    if cache is None:
+        return None
+    counted = {"reused": cache.reused + 1} if reused else {"computed": cache.computed + 1}
+    return dataclasses.replace(cache, **counted)
 
 
 def compile_blocks(transformer: QwenImageTransformer2DModel) -> None:

@@ -68,6 +68,7 @@ class DenoiseState:
     # when params.previews asked for them, until the runner hands them out
     step_index: int = 0  # into the whole schedule: a masked edit starts at params.first_step
     inpaint: InpaintState | None = None  # a masked edit's start image, noise and mask
+    home: int | None = None  # with CFG ranks and a cache: the rank that holds its caches (``parallel.split``)
 
     @property
     def num_steps(self) -> int:

@@ -32,6 +32,8 @@ from diffusers.models.transformers.transformer_qwenimage import compute_text_seq
 from omni_ray.config import CacheSettings
 from omni_ray.runners.attention import RealRope
 from omni_ray.runners.lora import LoraRows
+from omni_ray.runners.parallel.mesh import Comm
+from omni_ray.runners.parallel.split import TokenShard
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,7 @@ class _Rows:
     temb: torch.Tensor  # [rows, dim]; [2 * rows, dim] with zero_cond_t (the second half at timestep 0)
     modulate_index: torch.Tensor | None  # [rows, image_tokens], with zero_cond_t
     lora: LoraRows | None  # each row's LoRA adapter, when a row has one
+    image_mask: torch.Tensor | None = None  # [rows, image_tokens] bool, sequence-parallel with padded tokens
 
     def take(self, rows: list[int]) -> _Rows:
         if rows == list(range(self.hidden.shape[0])):
@@ -70,6 +73,7 @@ class _Rows:
             self.hidden[index], self.encoder[index], self.mask[index] if self.mask is not None else None, temb,
             self.modulate_index[index] if self.modulate_index is not None else None,
             self.lora.take(rows) if self.lora is not None else None,
+            self.image_mask[index] if self.image_mask is not None else None,
         )
 
     def adapted(self) -> contextlib.AbstractContextManager:
@@ -87,7 +91,7 @@ class _Rows:
             encoder_hidden_states_mask=self.mask,
             temb=self.temb,
             image_rotary_emb=rope,
-            joint_attention_kwargs=None,
+            joint_attention_kwargs={"image_mask": self.image_mask} if self.image_mask is not None else None,
             modulate_index=self.modulate_index,
         )
         return dataclasses.replace(self, hidden=hidden, encoder=encoder)
@@ -104,28 +108,35 @@ def cached_forward(
     steps: list[tuple[int, int]],  # per row: (step index, steps in all)
     teacache_coefficients: tuple[float, ...],
     lora: LoraRows | None = None,  # each row's LoRA adapter; None when no row has one
+    sequence: Comm | None = None,  # the ranks each row's tokens are split over (Ulysses, ring); None: this one
 ) -> tuple[torch.Tensor, list[BranchCache | None]]:
-    """The transformer's prediction for every row, and each row's cache after this step."""
+    """The transformer's prediction for every row, and each row's cache after this step. With a ``sequence`` group
+    of several ranks, every rank calls it with the same rows, runs the blocks on its chunk of their tokens
+    (``parallel.split.TokenShard``) and returns the whole prediction; each row's cache holds this rank's chunk."""
     with lora.applied() if lora is not None else contextlib.nullcontext():
         return _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps,
-                               teacache_coefficients, lora)
+                               teacache_coefficients, lora, sequence)
 
 
 def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, teacache_coefficients,
-                    lora):
+                    lora, sequence):
     t = transformer
     caches = list(caches)  # each helper below replaces the entries of the rows it decides
 
-    # 1. The blocks' inputs, as diffusers' forward computes them.
+    # 1. The blocks' inputs, as diffusers' forward computes them; with sequence ranks, this rank's chunk of them.
     x, rope = _block_inputs(t, latents, timestep, embeds, mask, img_shapes, lora)
+    shard = None
+    if sequence is not None and sequence.size > 1:
+        shard = TokenShard(sequence, x.hidden.shape[1], x.encoder.shape[1])
+        x, rope = _shard_inputs(shard, x, rope)
     first, rest = t.transformer_blocks[0], t.transformer_blocks[1:]
 
     # 2. TeaCache rows decide from the first block's modulated input; those that reuse skip every block.
-    skip_all = _teacache_skips(first, x, caches, steps, teacache_coefficients, t.zero_cond_t)
+    skip_all = _teacache_skips(first, x, caches, steps, teacache_coefficients, t.zero_cond_t, shard)
 
     # 3. The other rows run the first block; first-block rows that changed little skip the rest.
     ran_first = [r for r in range(len(caches)) if r not in skip_all]
-    x1, heads, skip_rest = _run_first_block(first, x, rope, ran_first, caches)
+    x1, heads, skip_rest = _run_first_block(first, x, rope, ran_first, caches, shard)
 
     # 4. The rows that still need them run the remaining blocks, as one sub-batch.
     ran_all, out_all = _run_remaining_blocks(rest, x1, rope, ran_first, skip_rest)
@@ -136,7 +147,8 @@ def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, ca
 
     # 6. The output norm and projection.
     temb_out = x.temb.chunk(2, dim=0)[0] if t.zero_cond_t else x.temb
-    return t.proj_out(t.norm_out(out, temb_out)), caches
+    prediction = t.proj_out(t.norm_out(out, temb_out))
+    return (shard.gather_image(prediction) if shard is not None else prediction), caches
 
 
 def _block_inputs(t: QwenImageTransformer2DModel, latents, timestep, embeds, mask, img_shapes, lora
@@ -159,15 +171,32 @@ def _block_inputs(t: QwenImageTransformer2DModel, latents, timestep, embeds, mas
     return _Rows(hidden, encoder, mask, temb, modulate_index, lora), rope
 
 
+def _shard_inputs(shard: TokenShard, x: _Rows, rope: RealRope) -> tuple[_Rows, RealRope]:
+    """This sequence rank's chunk of the blocks' inputs and of the rotary tables; with padded tokens, masks that
+    keep them out of every row's keys (the text mask, and the image tokens' mask the attention reads)."""
+    rows, device = x.hidden.shape[0], x.hidden.device
+    mask, image_mask = x.mask, None
+    if shard.padded:
+        full = mask if mask is not None else torch.ones(x.encoder.shape[:2], dtype=torch.bool, device=device)
+        mask, image_mask = shard.text(full, fill=False), shard.image_mask(rows, device)
+    elif mask is not None:
+        mask = shard.text(mask)
+    modulate_index = shard.image(x.modulate_index) if x.modulate_index is not None else None
+    rope = RealRope(shard.image(rope.image_cos, 0, 1), shard.image(rope.image_sin, 0), shard.text(rope.text_cos, 0, 1),
+                    shard.text(rope.text_sin, 0))
+    return _Rows(shard.image(x.hidden), shard.text(x.encoder), mask, x.temb, modulate_index, x.lora, image_mask), rope
+
+
 def _teacache_skips(first, x: _Rows, caches: list[BranchCache | None], steps: list[tuple[int, int]],
-                     coefficients: tuple[float, ...], zero_cond_t: bool) -> dict[int, torch.Tensor]:
+                     coefficients: tuple[float, ...], zero_cond_t: bool, shard: TokenShard | None
+                     ) -> dict[int, torch.Tensor]:
     """The TeaCache rows' decisions, their caches replaced: row -> its output of the blocks, for the rows that
     reuse."""
     skip_all: dict[int, torch.Tensor] = {}
     tea = [r for r in range(len(caches)) if caches[r] is not None and caches[r].settings.kind == "teacache"]
     if tea:
         modulated = _modulated_input(first, x.take(tea), zero_cond_t)
-        changes = _relative_l1(modulated, [caches[r].reference for r in tea])
+        changes = _relative_l1(modulated, [caches[r].reference for r in tea], shard)
         for i, r in enumerate(tea):
             reuse, accumulated = _teacache_decides(caches[r], changes[i], *steps[r], coefficients)
             if reuse:
@@ -176,8 +205,8 @@ def _teacache_skips(first, x: _Rows, caches: list[BranchCache | None], steps: li
     return skip_all
 
 
-def _run_first_block(first, x: _Rows, rope, ran_first: list[int], caches: list[BranchCache | None]
-                     ) -> tuple[_Rows | None, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+def _run_first_block(first, x: _Rows, rope, ran_first: list[int], caches: list[BranchCache | None],
+                     shard: TokenShard | None) -> tuple[_Rows | None, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """The first block over the rows ``ran_first`` and the first-block rows' decisions, their caches replaced: the
     block's output (None when no row runs it), row -> its output of the first block, and row -> its output of the
     blocks for the rows that reuse."""
@@ -190,7 +219,7 @@ def _run_first_block(first, x: _Rows, rope, ran_first: list[int], caches: list[B
     fbc = [i for i, r in enumerate(ran_first) if caches[r] is not None and caches[r].settings.kind == "first_block"]
     if fbc:
         residuals = x1.hidden[fbc] - x0.hidden[fbc]
-        changes = _relative_l1(residuals, [caches[ran_first[i]].reference for i in fbc])
+        changes = _relative_l1(residuals, [caches[ran_first[i]].reference for i in fbc], shard)
         for i, change, residual in zip(fbc, changes, residuals):
             r = ran_first[i]
             reuse = change <= caches[r].settings.threshold  # diffusers runs the blocks when change > threshold
@@ -245,14 +274,22 @@ def _modulated_input(block, x: _Rows, zero_cond_t: bool) -> torch.Tensor:
     return block.img_norm1(x.hidden) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
-def _relative_l1(current: torch.Tensor, previous: list[torch.Tensor | None]) -> list[float]:
+def _relative_l1(current: torch.Tensor, previous: list[torch.Tensor | None], shard: TokenShard | None
+                 ) -> list[float]:
     """Per row: mean |current - previous| / mean |previous| (diffusers' first-block rule, read per row); inf for a
-    row with nothing to compare with. One device sync for the whole batch."""
+    row with nothing to compare with. One device sync for the whole batch. Sequence-parallel, each rank holds a
+    chunk of the tokens: the sums of its real tokens are summed over the ranks, so every rank decides the same."""
     known = [i for i, p in enumerate(previous) if p is not None]
     changes = [float("inf")] * len(previous)
     if known:
         now, before = current[known], torch.stack([previous[i] for i in known])
-        values = ((now - before).abs().mean(dim=(1, 2)) / before.abs().mean(dim=(1, 2))).tolist()
+        if shard is None:
+            values = ((now - before).abs().mean(dim=(1, 2)) / before.abs().mean(dim=(1, 2))).tolist()
+        else:
+            real = shard.image_mask(1, now.device)[0, :, None]
+            sums = torch.stack([((now - before).abs() * real).sum(dim=(1, 2)), (before.abs() * real).sum(dim=(1, 2))])
+            total = shard.total(sums)
+            values = (total[0] / total[1]).tolist()
         for i, value in zip(known, values):
             changes[i] = value
     return changes

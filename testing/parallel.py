@@ -1,0 +1,65 @@
+"""A mixed step batch denoised on a gang of ranks or on one, for the parallel tests and ``benchmarks.parallel``.
+
+``denoise_mix(mesh, model, adapters, steps)`` admits the same requests on whatever rank calls it: rows of two
+prompts of different lengths, with and without true CFG, with first-block cache and TeaCache, with two different
+LoRA adapters and without, and an edit with an input image's latents; an odd-sized image (15 tokens) so that a
+sequence split pads. Each batch key's requests step together through ``DenoiseRunner.execute_model``, as the engine
+runs them. Returns every request's final latents, and the bytes this rank sent per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_ray.config import CacheSettings
+from omni_ray.records import DenoiseBatch, DenoiseParams, DenoiseRequest, Latents, LoraRef, PromptEmbeds
+from omni_ray.runners.lora import read_lora
+
+FIRST_BLOCK = CacheSettings(kind="first_block", threshold=0.2)
+TEACACHE = CacheSettings(kind="teacache", threshold=0.3)
+
+
+def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[list[DenoiseRequest]]:
+    """The requests, one list per batch key."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [PromptEmbeds(torch.randn(n, dim, generator=generator)) for n in (7, 12)]
+    negative = PromptEmbeds(torch.randn(5, dim, generator=generator))
+    a, b = (LoraRef(name, path, scale) for (name, path), scale in zip(sorted(adapters.items()), (1.0, 0.7)))
+
+    def request(rid, prompt, height=48, width=80, cfg=False, **params):
+        params = DenoiseParams(height, width, steps, seed=len(rid) * 7 + ord(rid[-1]), true_cfg=cfg,
+                               true_cfg_scale=4.0 if cfg else 1.0, **params)
+        return DenoiseRequest(rid, params, prompts[prompt], negative if cfg else None, **extra.pop(rid, {}))
+
+    image = Latents(torch.randn(2 * 3, 64, generator=generator), 32, 48)  # an edit's input image, 2x3 tokens
+    extra = {"edit": {"images": (image,)}}
+    return [
+        [request("plain-a", 0, lora=a), request("plain-b", 1, lora=b), request("cached", 0, cache=FIRST_BLOCK),
+         request("base", 1), request("tea", 1, cache=TEACACHE)],
+        [request("cfg-a", 0, cfg=True, lora=a), request("cfg-tea", 1, cfg=True, cache=TEACACHE),
+         request("cfg-b", 1, cfg=True, lora=b)],
+        [request("edit", 0, height=64, width=64, lora=b)],
+    ]
+
+
+def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4) -> tuple[dict[str, torch.Tensor], list]:
+    """Every request's final latents on this rank (``mesh`` None: one process), and the bytes sent per step."""
+    from omni_ray.runners.denoise import DenoiseRunner
+
+    torch.manual_seed(0)
+    runner = DenoiseRunner.load(model, mesh=mesh)
+    for name, path in adapters.items():
+        runner.add_lora((name, path), read_lora(path, runner.lora_shapes))
+    dim = runner.transformer.config.joint_attention_dim
+    latents, sent = {}, []
+    for group in mix_requests(dim, adapters, steps):
+        ids = [r.request_id for r in group]
+        new = group
+        for _ in range(steps):
+            before = dict(runner.mesh.sent)
+            output = runner.execute_model(DenoiseBatch(new, ids, []))
+            assert not output.errors, output.errors
+            new = []
+            sent.append({op: n - before.get(op, 0) for op, n in runner.mesh.sent.items()})
+            latents.update({rid: result.latents for rid, result in output.finished.items()})
+    return latents, sent
