@@ -208,6 +208,8 @@ class DenoiseBatch:
     new_requests: list[DenoiseRequest]  # admitted this step: the runner draws their noise and schedule
     request_ids: list[str]  # every request stepped this step (new ones included); one batch key
     freed_ids: list[str]  # requests that left since the last step (aborted): the runner drops their state
+    # sequence: every row's tokens split over the gang's sequence ranks; rows: the rows spread over them, each run whole
+    split: Literal["sequence", "rows"] = "sequence"
 
 
 @dataclass(slots=True)

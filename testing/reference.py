@@ -50,7 +50,7 @@ class UnfusedDenoiseRunner(DenoiseRunner):
     """The DiT runner with CFG's two passes run apart, as diffusers runs them. The engine's one forward pads the
     negative prompt to the prompt's length, which moves float sums by rounding; apart, the values are diffusers'."""
 
-    def predict(self, states: list[DenoiseState]):
+    def predict(self, states: list[DenoiseState], split: str = "sequence"):
         latents = torch.cat([s.latents for s in states])
         if states[0].image is not None:
             latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)

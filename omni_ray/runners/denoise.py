@@ -36,7 +36,7 @@ from omni_ray.runners.denoise_state import DenoiseState, prepare_state
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
-from omni_ray.runners.parallel.mesh import Mesh
+from omni_ray.runners.parallel.mesh import Comm, Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.quantization import quantize_fp8
 from omni_ray.runners.random_weights import random_model
@@ -129,7 +129,7 @@ class DenoiseRunner:
         output = DenoiseOutput()
         self._admit(batch.new_requests, output.errors)
         states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
-        self._step_isolating_failures(states, output.errors)
+        self._step_isolating_failures(states, output.errors, batch.split)
         self._report(states, output)
         return output
 
@@ -161,12 +161,14 @@ class DenoiseRunner:
             if state.is_finished:
                 output.finished[request_id] = self.finish(self.states.pop(request_id))
 
-    def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, EngineError]) -> None:
-        """Steps the batch; if that fails, steps each request alone so that only the failing ones fail."""
+    def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, EngineError],
+                                 split: str = "sequence") -> None:
+        """Steps the batch; if that fails, steps each request alone so that only the failing ones fail (on one
+        rank: in a gang, ranks stepping requests alone could wait on different collectives, so the step fails)."""
         if not states:
             return
-        if self.mesh.world.size > 1:  # ranks stepping requests alone could wait on different collectives
-            self.step(list(states.values()))
+        if self.mesh.world.size > 1:
+            self.step(list(states.values()), split)
             return
         started_at = {request_id: state.step_index for request_id, state in states.items()}
         try:
@@ -203,11 +205,12 @@ class DenoiseRunner:
         )
 
     @torch.inference_mode()
-    def step(self, states: list[DenoiseState]) -> None:
-        """Advances every state by one denoising step. The states must share a batch key."""
+    def step(self, states: list[DenoiseState], split: str = "sequence") -> None:
+        """Advances every state by one denoising step. The states must share a batch key. In a gang, ``split``
+        says how the step uses the sequence ranks (``DenoiseBatch.split``)."""
         assert states and len({s.batch_key for s in states}) == 1, "mixed batch keys"
         cfg = states[0].params.true_cfg
-        cond, uncond, caches = self.predict(states)
+        cond, uncond, caches = self.predict(states, split)
         num_tokens = states[0].latents.shape[1]  # the prediction for the edit images' tokens is dropped
         for row, state in enumerate(states):
             pred = cond[row : row + 1, :num_tokens]
@@ -216,20 +219,28 @@ class DenoiseRunner:
             state.advance(pred, caches[row :: len(states)])
 
     def predict(
-        self, states: list[DenoiseState]
+        self, states: list[DenoiseState], split: str = "sequence"
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[BranchCache | None]]:
         """The transformer's conditional prediction for every state, with true CFG the unconditional one, and the
         caches after the step (the conditional passes' in state order, then the unconditional ones'). On one rank,
         one forward: the unconditional passes ride behind the conditional ones, text padded to the longest of both.
         With CFG ranks, each runs its passes (``parallel.split.assign_passes``) and one all-gather hands every rank
-        every pass's prediction; a pass's cache stays on the rank that ran it, the others count its decision."""
+        every pass's prediction; a pass's cache stays on the rank that ran it, the others count its decision.
+
+        ``split="rows"`` spreads the passes over the CFG and sequence ranks together, each run whole (throughput
+        rather than one request's latency). A step with a cached row runs sequence-split all the same: its cache
+        holds this rank's chunk of its tokens, and moving it whole to one rank and back would cost two exchanges
+        of every block's residual."""
         cfg = states[0].params.true_cfg
         passes = [(state, 0) for state in states] + ([(state, 1) for state in states] if cfg else [])
-        comm = self.mesh.cfg
-        ranks = assign_passes([s.home for s, _ in passes], [branch for _, branch in passes], cfg, comm.size)
+        by_rows = split == "rows" and self.mesh.sequence.size > 1 and not any(s.caches for s in states)
+        comm = self.mesh.rows if by_rows else self.mesh.cfg
+        ranks = assign_passes([s.home for s, _ in passes], [branch for _, branch in passes], cfg and not by_rows,
+                              comm.size)
         mine = [i for i, rank in enumerate(ranks) if rank == comm.rank]
         before = [s.caches[branch] if s.caches else None for s, branch in passes]
-        prediction, caches = self._forward_passes([passes[i] for i in mine]) if mine else (None, [])
+        sequence = None if by_rows else self.mesh.sequence
+        prediction, caches = self._forward_passes([passes[i] for i in mine], sequence) if mine else (None, [])
         if comm.size > 1:
             like = states[0].latents.new_zeros(self._prediction_shape(states[0]))
             prediction = gather_passes(comm, ranks, prediction, like)
@@ -246,9 +257,10 @@ class DenoiseRunner:
         tokens = state.latents.shape[1] + (state.image.shape[1] if state.image is not None else 0)
         return tokens, self.transformer.config.out_channels * self.transformer.config.patch_size ** 2
 
-    def _forward_passes(self, passes: list[tuple[DenoiseState, int]]) -> tuple[torch.Tensor, list[BranchCache | None]]:
-        """One forward over these passes (state, branch: 0 conditional, 1 unconditional): their predictions in
-        order, and their caches after the step."""
+    def _forward_passes(self, passes: list[tuple[DenoiseState, int]], sequence: Comm | None
+                        ) -> tuple[torch.Tensor, list[BranchCache | None]]:
+        """One forward over these passes (state, branch: 0 conditional, 1 unconditional), their tokens split over
+        ``sequence``: their predictions in order, and their caches after the step."""
         states = [state for state, _ in passes]
         latents = torch.cat([s.latents for s in states])
         if states[0].image is not None:  # edits: the images' tokens follow the noisy ones
@@ -257,7 +269,7 @@ class DenoiseRunner:
         return self._forward(
             latents, timesteps, [s.negative if branch else s.prompt for s, branch in passes],
             [s.img_shapes for s in states], [s.caches[branch] if s.caches else None for s, branch in passes],
-            [(s.step_index, s.num_steps) for s in states], [s.params.lora for s in states],
+            [(s.step_index, s.num_steps) for s in states], [s.params.lora for s in states], sequence,
         )
 
     def _forward(
@@ -269,6 +281,7 @@ class DenoiseRunner:
         caches: list[BranchCache | None],
         steps: list[tuple[int, int]],  # rows x (step index, steps in all)
         loras: list[LoraRef | None],  # rows x the row's adapter
+        sequence: Comm | None = None,  # the ranks the rows' tokens are split over
     ) -> tuple[torch.Tensor, list[BranchCache | None]]:
         """The transformer's prediction per row (diffusers' forward, with each row's cache deciding which blocks
         it runs and its adapter adding to the layers it adapts), and each row's cache after the step."""
@@ -276,7 +289,7 @@ class DenoiseRunner:
         timestep = timesteps.to(latents.dtype) / 1000
         return cached_forward(
             self.transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, self.teacache_coefficients,
-            self.loras.rows(loras), self.mesh.sequence,
+            self.loras.rows(loras), sequence,
         )
 
     def finish(self, state: DenoiseState) -> Latents:

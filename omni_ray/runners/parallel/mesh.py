@@ -85,8 +85,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 class Mesh:
     """This rank's coordinates and a ``Comm`` per dimension (``cfg``, ``ring``, ``ulysses``, ``tensor``), plus
-    ``sequence`` (ring x ulysses: the ranks one row's tokens are split over, shard ``r * ulysses + u``) and
-    ``world``."""
+    ``sequence`` (ring x ulysses: the ranks one row's tokens are split over, shard ``r * ulysses + u``), ``rows``
+    (cfg x sequence: the ranks a step's rows spread over when it runs them whole) and ``world``."""
 
     def __init__(self, settings: ParallelSettings, rank: int, groups: dict[str, dist.ProcessGroup | None]):
         self.settings, self.rank = settings, rank
@@ -95,8 +95,10 @@ class Mesh:
         for name in reversed(DIMENSIONS):
             coords[name], rest = rest % degrees[name], rest // degrees[name]
         self.coords = coords
-        sizes = {**degrees, "sequence": settings.sequence, "world": settings.world_size}
+        sizes = {**degrees, "sequence": settings.sequence, "rows": settings.cfg * settings.sequence,
+                 "world": settings.world_size}
         coords["sequence"] = coords["ring"] * settings.ulysses + coords["ulysses"]
+        coords["rows"] = coords["cfg"] * settings.sequence + coords["sequence"]
         coords["world"] = rank
         self.comms = {name: Comm(groups.get(name), sizes[name], coords[name]) for name in sizes}
 
@@ -148,6 +150,7 @@ class Mesh:
 
         members = {name: groups((name,)) for name in DIMENSIONS}
         members["sequence"] = groups(("ring", "ulysses"))
+        members["rows"] = groups(("cfg", "ring", "ulysses"))
         members["world"] = [list(range(settings.world_size))]
         return members
 
