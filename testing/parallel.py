@@ -42,8 +42,10 @@ def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[lis
     ]
 
 
-def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4) -> tuple[dict[str, torch.Tensor], list]:
-    """Every request's final latents on this rank (``mesh`` None: one process), and the bytes sent per step."""
+def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4, split: str = "sequence"
+                ) -> tuple[dict[str, torch.Tensor], list]:
+    """Every request's final latents on this rank (``mesh`` None: one process), and the bytes sent per step;
+    every step split as ``split`` says (``DenoiseBatch.split``)."""
     from omni_ray.runners.denoise import DenoiseRunner
 
     torch.manual_seed(0)
@@ -57,7 +59,7 @@ def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4) -> t
         new = group
         for _ in range(steps):
             before = dict(runner.mesh.sent)
-            output = runner.execute_model(DenoiseBatch(new, ids, []))
+            output = runner.execute_model(DenoiseBatch(new, ids, [], split))
             assert not output.errors, output.errors
             new = []
             sent.append({op: n - before.get(op, 0) for op, n in runner.mesh.sent.items()})

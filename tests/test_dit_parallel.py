@@ -34,9 +34,19 @@ def one_rank(tiny_dir, adapters) -> dict[str, torch.Tensor]:
     return denoise_mix(None, str(tiny_dir), adapters)[0]
 
 
-@pytest.mark.parametrize("settings", [ParallelSettings(cfg=2)], ids=lambda s: f"world{s.world_size}")
-def test_a_gang_denoises_what_one_rank_does(settings, tiny_dir, adapters, one_rank):
-    results = run_gang(denoise_mix, settings, str(tiny_dir), adapters)
+GANGS = {
+    "cfg2": (ParallelSettings(cfg=2), "sequence"),
+    "ulysses2": (ParallelSettings(ulysses=2), "sequence"),
+    "ring2": (ParallelSettings(ring=2), "sequence"),
+    "ulysses2-rows": (ParallelSettings(ulysses=2), "rows"),
+    "ulysses2xcfg2": (ParallelSettings(ulysses=2, cfg=2), "sequence"),
+}
+
+
+@pytest.mark.parametrize("gang", GANGS)
+def test_a_gang_denoises_what_one_rank_does(gang, tiny_dir, adapters, one_rank):
+    settings, split = GANGS[gang]
+    results = run_gang(denoise_mix, settings, str(tiny_dir), adapters, 4, split)
     for rank, (latents, _) in enumerate(results):
         assert latents.keys() == one_rank.keys()
         for rid, expected in one_rank.items():

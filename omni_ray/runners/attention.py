@@ -12,7 +12,9 @@ per-head RMS norms, text before image in one attention call, the output projecti
 The attention call itself is the processor's ``attend`` (``Attend``): ``sdpa`` in one process, or
 ``parallel.sequence.SequenceParallelAttention`` when each rank holds a shard of every row's tokens. Its key mask is
 built from the text mask diffusers passes and an optional image-token mask (``image_mask``, passed to a block as
-``joint_attention_kwargs={"image_mask": ...}``), which masks the image tokens a sequence-parallel split pads.
+``joint_attention_kwargs={"image_mask": ...}``), which masks the image tokens a sequence-parallel split pads. A
+forward may pass its own ``attend`` the same way: a gang's step that splits tokens attends over the gang, one that
+runs rows whole attends alone.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class JointAttention:
         attention_mask: None = None,
         image_rotary_emb: RealRope | tuple[torch.Tensor, torch.Tensor] | None = None,
         image_mask: torch.Tensor | None = None,  # [B, image_tokens] bool, False at padding; None when unpadded
+        attend: Attend | None = None,  # this call's, over the processor's (a sequence-split forward's)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert attention_mask is None, "the joint mask is built from encoder_hidden_states_mask and image_mask"
         text_tokens = encoder_hidden_states.shape[1]
@@ -106,7 +109,7 @@ class JointAttention:
         # [B, heads, text + image tokens, head_dim]: the layout scaled_dot_product_attention takes
         query, key, value = (torch.cat([t, i], dim=1).transpose(1, 2) for t, i in zip(text, image))
         key_mask = _joint_key_mask(encoder_hidden_states_mask, image_mask, text_tokens, hidden_states.shape[1])
-        joint = self.attend(query, key, value, key_mask)
+        joint = (attend or self.attend)(query, key, value, key_mask)
         joint = joint.transpose(1, 2).flatten(2, 3).to(query.dtype)
         image_out = attn.to_out[0](joint[:, text_tokens:].contiguous())
         text_out = attn.to_add_out(joint[:, :text_tokens].contiguous())

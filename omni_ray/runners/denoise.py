@@ -19,6 +19,7 @@ import time
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
+from omni_ray.config import ParallelSettings
 from omni_ray.errors import EngineError, request_failure
 from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, VAE_COMPRESSION, check_side
 from omni_ray.records import (
@@ -36,7 +37,7 @@ from omni_ray.runners.denoise_state import DenoiseState, prepare_state
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
-from omni_ray.runners.parallel.mesh import Comm, Mesh
+from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.quantization import quantize_fp8
 from omni_ray.runners.random_weights import random_model
@@ -56,6 +57,7 @@ class DenoiseRunner:
         mesh: Mesh | None = None,
     ):
         self.mesh = mesh or Mesh.single()  # this rank's place in the replica's gang
+        check_heads(transformer.config.num_attention_heads, self.mesh.settings)
         self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
         self.transformer = transformer.eval()
         use_real_rope(transformer)
@@ -239,7 +241,7 @@ class DenoiseRunner:
                               comm.size)
         mine = [i for i, rank in enumerate(ranks) if rank == comm.rank]
         before = [s.caches[branch] if s.caches else None for s, branch in passes]
-        sequence = None if by_rows else self.mesh.sequence
+        sequence = None if by_rows else self.mesh
         prediction, caches = self._forward_passes([passes[i] for i in mine], sequence) if mine else (None, [])
         if comm.size > 1:
             like = states[0].latents.new_zeros(self._prediction_shape(states[0]))
@@ -257,7 +259,7 @@ class DenoiseRunner:
         tokens = state.latents.shape[1] + (state.image.shape[1] if state.image is not None else 0)
         return tokens, self.transformer.config.out_channels * self.transformer.config.patch_size ** 2
 
-    def _forward_passes(self, passes: list[tuple[DenoiseState, int]], sequence: Comm | None
+    def _forward_passes(self, passes: list[tuple[DenoiseState, int]], sequence: Mesh | None
                         ) -> tuple[torch.Tensor, list[BranchCache | None]]:
         """One forward over these passes (state, branch: 0 conditional, 1 unconditional), their tokens split over
         ``sequence``: their predictions in order, and their caches after the step."""
@@ -281,7 +283,7 @@ class DenoiseRunner:
         caches: list[BranchCache | None],
         steps: list[tuple[int, int]],  # rows x (step index, steps in all)
         loras: list[LoraRef | None],  # rows x the row's adapter
-        sequence: Comm | None = None,  # the ranks the rows' tokens are split over
+        sequence: Mesh | None = None,  # a gang whose sequence ranks split the rows' tokens
     ) -> tuple[torch.Tensor, list[BranchCache | None]]:
         """The transformer's prediction per row (diffusers' forward, with each row's cache deciding which blocks
         it runs and its adapter adding to the layers it adapts), and each row's cache after the step."""
@@ -302,6 +304,13 @@ class DenoiseRunner:
         return Latents(
             to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )
+
+
+def check_heads(heads: int, parallel: ParallelSettings) -> None:
+    """A gang splits heads over its Ulysses and tensor ranks: they must divide evenly."""
+    if heads % (parallel.ulysses * parallel.tensor):
+        raise ValueError(f"dit.parallel: the transformer's {heads} attention heads do not divide by ulysses x tensor "
+                         f"({parallel.ulysses} x {parallel.tensor})")
 
 
 def _counted(cache: BranchCache | None, reused: bool) -> BranchCache | None:

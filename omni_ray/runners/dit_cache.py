@@ -32,7 +32,8 @@ from diffusers.models.transformers.transformer_qwenimage import compute_text_seq
 from omni_ray.config import CacheSettings
 from omni_ray.runners.attention import RealRope
 from omni_ray.runners.lora import LoraRows
-from omni_ray.runners.parallel.mesh import Comm
+from omni_ray.runners.parallel.mesh import Mesh
+from omni_ray.runners.parallel.sequence import SequenceParallelAttention
 from omni_ray.runners.parallel.split import TokenShard
 
 
@@ -61,6 +62,7 @@ class _Rows:
     modulate_index: torch.Tensor | None  # [rows, image_tokens], with zero_cond_t
     lora: LoraRows | None  # each row's LoRA adapter, when a row has one
     image_mask: torch.Tensor | None = None  # [rows, image_tokens] bool, sequence-parallel with padded tokens
+    attend: SequenceParallelAttention | None = None  # sequence-parallel: attention over the gang
 
     def take(self, rows: list[int]) -> _Rows:
         if rows == list(range(self.hidden.shape[0])):
@@ -73,7 +75,7 @@ class _Rows:
             self.hidden[index], self.encoder[index], self.mask[index] if self.mask is not None else None, temb,
             self.modulate_index[index] if self.modulate_index is not None else None,
             self.lora.take(rows) if self.lora is not None else None,
-            self.image_mask[index] if self.image_mask is not None else None,
+            self.image_mask[index] if self.image_mask is not None else None, self.attend,
         )
 
     def adapted(self) -> contextlib.AbstractContextManager:
@@ -84,6 +86,12 @@ class _Rows:
         with self.adapted():
             return self._run(block, rope)
 
+    @property
+    def attention_kwargs(self) -> dict | None:
+        """What the attention processor (``attention.JointAttention``) takes besides diffusers' arguments."""
+        kwargs = {"image_mask": self.image_mask, "attend": self.attend}
+        return {k: v for k, v in kwargs.items() if v is not None} or None
+
     def _run(self, block, rope) -> _Rows:
         encoder, hidden = block(
             hidden_states=self.hidden,
@@ -91,7 +99,7 @@ class _Rows:
             encoder_hidden_states_mask=self.mask,
             temb=self.temb,
             image_rotary_emb=rope,
-            joint_attention_kwargs={"image_mask": self.image_mask} if self.image_mask is not None else None,
+            joint_attention_kwargs=self.attention_kwargs,
             modulate_index=self.modulate_index,
         )
         return dataclasses.replace(self, hidden=hidden, encoder=encoder)
@@ -108,11 +116,12 @@ def cached_forward(
     steps: list[tuple[int, int]],  # per row: (step index, steps in all)
     teacache_coefficients: tuple[float, ...],
     lora: LoraRows | None = None,  # each row's LoRA adapter; None when no row has one
-    sequence: Comm | None = None,  # the ranks each row's tokens are split over (Ulysses, ring); None: this one
+    sequence: Mesh | None = None,  # a gang whose sequence ranks split each row's tokens (Ulysses, ring)
 ) -> tuple[torch.Tensor, list[BranchCache | None]]:
-    """The transformer's prediction for every row, and each row's cache after this step. With a ``sequence`` group
-    of several ranks, every rank calls it with the same rows, runs the blocks on its chunk of their tokens
-    (``parallel.split.TokenShard``) and returns the whole prediction; each row's cache holds this rank's chunk."""
+    """The transformer's prediction for every row, and each row's cache after this step. Split over a gang's
+    ``sequence`` ranks, every one of them calls it with the same rows, runs the blocks on its chunk of their tokens
+    (``parallel.split.TokenShard``), attends over the gang (``SequenceParallelAttention``) and returns the whole
+    prediction; each row's cache holds this rank's chunk."""
     with lora.applied() if lora is not None else contextlib.nullcontext():
         return _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps,
                                teacache_coefficients, lora, sequence)
@@ -126,9 +135,9 @@ def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, ca
     # 1. The blocks' inputs, as diffusers' forward computes them; with sequence ranks, this rank's chunk of them.
     x, rope = _block_inputs(t, latents, timestep, embeds, mask, img_shapes, lora)
     shard = None
-    if sequence is not None and sequence.size > 1:
-        shard = TokenShard(sequence, x.hidden.shape[1], x.encoder.shape[1])
-        x, rope = _shard_inputs(shard, x, rope)
+    if sequence is not None and sequence.sequence.size > 1:
+        shard = TokenShard(sequence.sequence, x.hidden.shape[1], x.encoder.shape[1])
+        x, rope = _shard_inputs(shard, x, rope, SequenceParallelAttention(sequence))
     first, rest = t.transformer_blocks[0], t.transformer_blocks[1:]
 
     # 2. TeaCache rows decide from the first block's modulated input; those that reuse skip every block.
@@ -171,7 +180,8 @@ def _block_inputs(t: QwenImageTransformer2DModel, latents, timestep, embeds, mas
     return _Rows(hidden, encoder, mask, temb, modulate_index, lora), rope
 
 
-def _shard_inputs(shard: TokenShard, x: _Rows, rope: RealRope) -> tuple[_Rows, RealRope]:
+def _shard_inputs(shard: TokenShard, x: _Rows, rope: RealRope, attend: SequenceParallelAttention
+                  ) -> tuple[_Rows, RealRope]:
     """This sequence rank's chunk of the blocks' inputs and of the rotary tables; with padded tokens, masks that
     keep them out of every row's keys (the text mask, and the image tokens' mask the attention reads)."""
     rows, device = x.hidden.shape[0], x.hidden.device
@@ -184,7 +194,8 @@ def _shard_inputs(shard: TokenShard, x: _Rows, rope: RealRope) -> tuple[_Rows, R
     modulate_index = shard.image(x.modulate_index) if x.modulate_index is not None else None
     rope = RealRope(shard.image(rope.image_cos, 0, 1), shard.image(rope.image_sin, 0), shard.text(rope.text_cos, 0, 1),
                     shard.text(rope.text_sin, 0))
-    return _Rows(shard.image(x.hidden), shard.text(x.encoder), mask, x.temb, modulate_index, x.lora, image_mask), rope
+    rows = _Rows(shard.image(x.hidden), shard.text(x.encoder), mask, x.temb, modulate_index, x.lora, image_mask, attend)
+    return rows, rope
 
 
 def _teacache_skips(first, x: _Rows, caches: list[BranchCache | None], steps: list[tuple[int, int]],

@@ -70,8 +70,9 @@ class Comm:
             return tensors
         nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        tensors = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, self.group) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, prev, self.group) for r in received]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
