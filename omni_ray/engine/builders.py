@@ -80,5 +80,5 @@ def build_vae_core(config: PipelineConfig) -> EngineCore:
         runner = SimulatedVae(getattr(torch, stage.dtype))
     else:
         runner = VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device,
-                                dummy=config.weights == "dummy")
+                                dummy=config.weights == "dummy", tiling=stage.tiling)
     return EngineCore(VaeScheduler(stage.max_batch_size), runner)

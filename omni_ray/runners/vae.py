@@ -9,6 +9,10 @@ runs as 2-D convolutions on one frame (``vae_frame``) in channels-last layout: o
 and on the tiny and full-size VAEs one whose pixels did not depend on the batch size (oneDNN does not promise it: a
 VAE 16 channels wide differed by one level in 4 pixels of 16,384 between a batch of one and of two); on CUDA the
 layout cuDNN's fastest convolutions take, with its autotuner on.
+
+With ``tiling``, the decoder's up path runs on bands of ``TILE_ROWS`` latent rows one after another, each with the
+rows of context its convolutions reach (``FrameDecoder.decode_rows``): the same pixels as the whole-frame decode, in
+a fraction of its activation memory, for large frames on small cards.
 """
 
 from __future__ import annotations
@@ -30,14 +34,20 @@ from omni_ray.runners.vae_frame import FrameDecoder, FrameEncoder
 
 logger = logging.getLogger(__name__)
 
+# Latent rows per band in a tiled decode (256 pixel rows, diffusers' tile height). Each band also computes up to
+# twice the decoder's halo (13 latent rows on Qwen-Image's VAE): at 1328x1328 about 1.8x the up path's work, in a
+# third of its activation memory.
+TILE_ROWS = 32
+
 
 class VaeRunner:
     """Holds the VAE; decodes batches of same-size latents and encodes batches of same-size images."""
 
-    def __init__(self, vae: AutoencoderKLQwenImage):
+    def __init__(self, vae: AutoencoderKLQwenImage, tiling: bool = False):
         if 2 ** len(vae.temperal_downsample) != VAE_COMPRESSION:
             raise ValueError(f"not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
         self.device, self.dtype = vae.device, vae.dtype
+        self.band_rows = TILE_ROWS if tiling else None
         self.decoder = FrameDecoder(vae).eval().to(memory_format=torch.channels_last)
         self.encoder = FrameEncoder(vae).eval().to(memory_format=torch.channels_last)
         if self.device.type == "cuda":
@@ -48,13 +58,14 @@ class VaeRunner:
         self.latents_std = torch.tensor(vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1)
 
     @classmethod
-    def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu", dummy: bool = False
-             ) -> VaeRunner:
+    def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu", dummy: bool = False,
+             tiling: bool = False) -> VaeRunner:
         """The runner of a checkpoint's ``vae/``; with ``dummy``, built from its config with random weights."""
         if dummy:
             config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
-            return cls(random_model(AutoencoderKLQwenImage, config, dtype, device))
-        return cls(AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device))
+            return cls(random_model(AutoencoderKLQwenImage, config, dtype, device), tiling)
+        vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device)
+        return cls(vae, tiling)
 
     def execute_model(self, batch: VaeBatch) -> VaeOutput:
         """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
@@ -103,7 +114,7 @@ class VaeRunner:
         latents = unpack_latents(packed, height, width)[:, :, 0].to(self.dtype)  # one frame: [B, z_dim, h, w]
         mean, inverse_std = self.latents_mean.to(self.dtype), 1.0 / self.latents_std.to(self.dtype)
         latents = (latents / inverse_std + mean).contiguous(memory_format=torch.channels_last)
-        image = self.decoder(latents)
+        image = self.decoder(latents, self.band_rows)
         # VaeImageProcessor.postprocess(output_type="pil")'s arithmetic, on the device: denormalise in the VAE's
         # dtype, then float32, scale and round (half to even, as numpy rounds).
         image = self.image_processor.denormalize(image).permute(0, 2, 3, 1).float()

@@ -119,21 +119,75 @@ def _mid_layers(mid: nn.Module) -> list[nn.Module]:
 
 
 class FrameDecoder(nn.Module):
-    """Normalised latents ``[B, z_dim, h, w]`` -> pixels in [-1, 1] ``[B, 3, 8h, 8w]``."""
+    """Normalised latents ``[B, z_dim, h, w]`` -> pixels in [-1, 1] ``[B, 3, 8h, 8w]``.
+
+    Its head (``post_quant_conv``, ``conv_in`` and the mid block, whose attention spans the whole frame) runs at the
+    latent resolution; everything after it (the up blocks' residual blocks and upsamplers, ``norm_out``,
+    ``conv_out``) is convolutions and per-position norms, so a band of latent rows' pixels depends only on the head's
+    output in those rows and ``halo`` rows either side. ``decode_rows`` computes a band so: the frame's pixels as the
+    whole-frame decode computes them (float rounding aside: the convolutions see other shapes), in a fraction of its
+    activation memory.
+    """
 
     def __init__(self, vae: AutoencoderKLQwenImage):
         super().__init__()
         decoder = vae.decoder
-        layers = [_conv2d(vae.post_quant_conv), _conv2d(decoder.conv_in), *_mid_layers(decoder.mid_block)]
+        self.head = nn.Sequential(_conv2d(vae.post_quant_conv), _conv2d(decoder.conv_in),
+                                  *_mid_layers(decoder.mid_block))
+        up = []
         for block in decoder.up_blocks:
-            layers += [_layer(resnet) for resnet in block.resnets]
-            layers += [_layer(upsampler) for upsampler in block.upsamplers or ()]
-        self.layers = nn.Sequential(*layers)
+            up += [_layer(resnet) for resnet in block.resnets]
+            up += [_layer(upsampler) for upsampler in block.upsamplers or ()]
+        self.up = nn.Sequential(*up)
         self.norm_out, self.conv_out = _RMSNorm(decoder.norm_out), _conv2d(decoder.conv_out)
+        self.scale = 2 ** sum(isinstance(layer, _Resample) for layer in up)  # pixel rows per latent row
+        self.halo = _halo_rows([*up, self.conv_out])
 
-    def forward(self, latents: torch.Tensor) -> torch.Tensor:
-        x = self.conv_out(F.silu(self.norm_out(self.layers(latents))))
-        return x.clamp(-1.0, 1.0)
+    def forward(self, latents: torch.Tensor, band_rows: int | None = None) -> torch.Tensor:
+        """The frame's pixels; with ``band_rows``, its up path run on bands of that many latent rows (or a few
+        fewer: the bands are of even heights) one after another."""
+        hidden = self.head(latents)
+        return self.decode_rows(hidden, 0, hidden.shape[2], band_rows)
+
+    def decode_rows(self, hidden: torch.Tensor, start: int, stop: int, band_rows: int | None = None
+                    ) -> torch.Tensor:
+        """Pixels ``[B, 3, scale * (stop - start), scale * w]`` of latent rows ``[start, stop)`` from the head's
+        output ``hidden`` ``[B, C, h, w]``: the up path on those rows and ``halo`` more either side (fewer at the
+        frame's edges, where the whole-frame decode's zero padding is the same), then cropped to them. With
+        ``band_rows``, band by band."""
+        if band_rows is not None and stop - start > band_rows:
+            bands = split_rows(stop - start, -(-(stop - start) // band_rows))
+            return torch.cat([self.decode_rows(hidden, start + a, start + b) for a, b in bands], dim=2)
+        top, bottom = max(start - self.halo, 0), min(stop + self.halo, hidden.shape[2])
+        x = self.conv_out(F.silu(self.norm_out(self.up(hidden[:, :, top:bottom]))))
+        return x[:, :, self.scale * (start - top):self.scale * (stop - top)].clamp(-1.0, 1.0)
+
+
+def split_rows(height: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, height)`` in ``parts`` consecutive ``(start, stop)`` ranges whose sizes differ by one at most, the
+    longer first."""
+    size, extra = divmod(height, parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _halo_rows(layers: list[nn.Module]) -> int:
+    """Latent rows of context either side that exact pixels of a band of latent rows need after ``layers`` (the
+    decoder's up path): the path's receptive field, walked back from the output. Each 3x3 convolution reaches one
+    row further at its resolution; a 2x nearest upsampling halves the reach, rounded up (bands start on latent
+    rows, so on even rows at every finer resolution)."""
+    reach = 0
+    for layer in reversed(layers):
+        if isinstance(layer, nn.Conv2d):
+            assert layer.stride[0] == 1, "a strided convolution in the up path"
+            reach += layer.padding[0]
+        elif isinstance(layer, _ResidualBlock):  # its shortcut is 1x1: the convolutions reach further
+            reach += layer.conv1.padding[0] + layer.conv2.padding[0]
+        elif isinstance(layer, _Resample) and layer.up:
+            reach = -(-(reach + layer.conv.padding[0]) // 2)
+        elif not isinstance(layer, nn.Identity):
+            raise TypeError(f"{type(layer).__name__} in the decoder's up path: rows would not be local")
+    return reach
 
 
 class FrameEncoder(nn.Module):
