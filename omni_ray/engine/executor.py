@@ -107,7 +107,7 @@ def settle(outcomes: list[Outcome], method: Method, unique_reply_rank: int | Non
     failed = [rank for rank, (ok, _) in enumerate(outcomes) if not ok]
     if failed and len(failed) < len(outcomes):
         error = outcomes[failed[0]][1]
-        fail(f"rank {failed[0]} of {len(outcomes)} raised in {_name(method)} while others did not: "
+        fail(f"rank {failed[0]} of {len(outcomes)} raised in {method_name(method)} while others did not: "
              f"{type(error).__name__}: {error}")
     if failed:
         raise outcomes[0][1]
@@ -115,7 +115,7 @@ def settle(outcomes: list[Outcome], method: Method, unique_reply_rank: int | Non
     return [values[unique_reply_rank]] if unique_reply_rank is not None else values
 
 
-def _name(method: Method) -> str:
+def method_name(method: Method) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
 
 
@@ -162,8 +162,8 @@ class MultiprocExecutor(Executor):
                 try:
                     conn.send_bytes(pickle.dumps((method, args, kwargs or {}, reply)))
                 except OSError as err:  # its end is closed: the process is gone
-                    self._fail(f"rank {rank} is gone ({err}) before {_name(method)}")
-            outcomes = self._receive(_name(method), method, timeout_s or self.timeout_s)
+                    self._fail(f"rank {rank} is gone ({err}) before {method_name(method)}")
+            outcomes = self._receive(method_name(method), method, timeout_s or self.timeout_s)
             return settle(outcomes, method, unique_reply_rank, self._fail)
 
     def _receive(self, what: str, method: Method | None, timeout_s: float | None) -> list[Outcome]:
@@ -258,7 +258,7 @@ def _rank_main(conn, make_runner: RunnerFactory, settings: ParallelSettings, ran
             try:
                 outcome = (True, worker.call(method, args, kwargs, reply))
             except Exception as err:
-                logger.exception("rank %d: %s failed", rank, _name(method))
+                logger.exception("rank %d: %s failed", rank, method_name(method))
                 outcome = (False, err)
             conn.send_bytes(_dumps(outcome))
     finally:
