@@ -103,7 +103,8 @@ class RayExecutor(Executor):
             for rank in range(self.world_size)
         ]
         try:
-            init_method = self._gather([self.workers[0].rendezvous.remote()], "rendezvous", start_timeout_s)[0][1]
+            meeting = self._gather([self.workers[0].rendezvous.remote()], "rendezvous", start_timeout_s)
+            init_method = settle(meeting, "rendezvous", None, self._fail)[0]
             backend = gang_backend(stage.device)
             starts = [w.start.remote(make_runner, settings, init_method, backend) for w in self.workers]
             settle(self._gather(starts, "start", start_timeout_s), "start", None, self._fail)
