@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
@@ -16,7 +17,8 @@ from deployments.encoder import Encoder
 from deployments.routing import router_config
 from deployments.vae import VAE
 from omni_ray import checkpoints
-from omni_ray.config import DeploymentConfig, load_config
+from omni_ray.config import DeploymentConfig, DiTConfig, load_config
+from omni_ray.placement import dit_bundles, largest_shortfall
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,7 +44,8 @@ def build_app(args: dict) -> Application:
     # may run up to their deadline; other stage replicas' calls that outlive Serve's default wait are issued again.
     drain = {"graceful_shutdown_timeout_s": config.requests.timeout_s}
     encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
-    dit = stage_deployment(DiT, config.dit.deployment, request_router_config=router_config(), **drain).bind(config)
+    dit = serve.deployment(DiT).options(**dit_options(config.dit), request_router_config=router_config(),
+                                        **drain).bind(config)
     vae = stage_deployment(VAE, config.vae.deployment).bind(config)
     return stage_deployment(CrossEngineCoordinator, config.coordinator, name="Coordinator", **drain).bind(
         encoder, dit, vae, config)
@@ -51,6 +54,57 @@ def build_app(args: dict) -> Application:
 def stage_deployment(cls: type, options: DeploymentConfig, **more) -> serve.Deployment:
     """A Serve deployment of ``cls`` with the preset's placement options (and ``more`` of Serve's)."""
     return serve.deployment(cls).options(**deployment_options(options), **more)
+
+
+def dit_options(dit: DiTConfig) -> dict:
+    """The DiT's options in Serve's terms. With a gang (``dit.parallel`` above world size 1), each replica gets a
+    placement group: its own bundle, then one per rank, all on one node (``STRICT_PACK``), after a check that some
+    node of the cluster can hold it; the ranks take the GPUs, the replica none."""
+    options = deployment_options(dit.deployment)
+    if dit.parallel.world_size > 1:
+        bundles = dit_bundles(dit)
+        check_gang_fits_a_node(bundles, dit)
+        options["ray_actor_options"]["num_gpus"] = 0
+        options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+    return options
+
+
+def check_gang_fits_a_node(bundles: list[dict[str, float]], dit: DiTConfig) -> None:
+    """Raises ValueError naming ``dit.parallel`` when no node of the cluster can hold one replica's gang: its
+    placement group would wait for ever and the app with it. The nodes are the live ones and, on an autoscaling
+    cluster that publishes them, the node types it may add. Run where the builder runs on the cluster (``serve run
+    config.yaml``, KubeRay); a builder called before Ray is initialised checks nothing."""
+    if not ray.is_initialized():
+        return
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]] + autoscaler_node_types()
+    need = largest_shortfall(bundles, nodes)
+    if need is not None:
+        largest = max(nodes, key=lambda node: (node.get("GPU", 0), node.get("CPU", 0)), default={})
+        raise ValueError(
+            f"dit.parallel: a gang of {dit.parallel.world_size} ranks needs {_resources(need)} on one node (the "
+            f"replica's dit.deployment, then dit.parallel.rank_num_cpus CPUs and dit.deployment.num_gpus GPUs per "
+            f"rank, packed on one node), more than any node of the cluster has (the largest: {_resources(largest)})"
+        )
+
+
+def autoscaler_node_types() -> list[dict[str, float]]:
+    """The resources of each node type an autoscaling cluster may add (Ray's autoscaler v2 publishes them); none
+    when it publishes nothing."""
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # a private API: without it, only the live nodes count
+        return []
+    if config is None:
+        return []
+    return [dict(group.resources) for group in config.node_group_configs if group.max_count != 0]
+
+
+def _resources(resources: dict[str, float]) -> str:
+    shown = {name: amount for name, amount in resources.items()
+             if name in ("CPU", "GPU") or not (name.startswith("node:") or name in ("memory", "object_store_memory"))}
+    return ", ".join(f"{amount:g} {name}" for name, amount in sorted(shown.items())) or "nothing"
 
 
 def deployment_options(options: DeploymentConfig) -> dict:

@@ -217,6 +217,11 @@ class ParallelSettings(_Frozen):
         120.0, gt=0, description="A collective that waits longer fails the step (a rank died or hangs), so the "
         "replica turns unhealthy and Serve replaces the gang.",
     )
+    rank_num_cpus: float = Field(
+        1.0, gt=0, description="Logical CPUs each rank's Ray actor reserves: its bundle of the replica's placement "
+        "group, beside dit.deployment.num_gpus GPUs on GPU presets (fractions for CPU tests). The replica itself "
+        "keeps dit.deployment.num_cpus and no GPU.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -489,6 +494,11 @@ class PipelineConfig(_Frozen):
         "qwen-image",
         description="The published configs (omni_ray/model_configs/<configs>/) a `build_if_missing: dummy` checkpoint "
         "is written from, and the dry run checks.",
+    )
+    gpus_per_node: PositiveInt | None = Field(
+        None,
+        description="GPUs of one node of the machines the GPU stages run on; set, a DiT gang (dit.parallel's world "
+        "size, dit.deployment.num_gpus each) that cannot fit one node is refused (omni_ray/placement.py).",
     )
     gpu_memory_gib: float | None = Field(
         None, gt=0,

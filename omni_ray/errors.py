@@ -116,6 +116,12 @@ class StageLostError(OverloadedError):
         self.call = call
 
 
+class GangError(EngineError):
+    """A DiT gang (one replica's ranks, ``omni_ray.engine.executor``) broke: a rank died, or a call to the ranks ran
+    past its timeout. The ranks' states may have diverged, so the gang runs nothing more; its executor's
+    ``check_health`` raises from then on."""
+
+
 class DeadlineExceededError(EngineError):
     """The request ran past its deadline; its work was aborted in every stage."""
 

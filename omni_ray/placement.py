@@ -14,7 +14,11 @@ the per-image activation figures measured on an H100 (benchmarks/results/gpu.jso
 - every stage: 1 GiB for the CUDA context and the allocator's slack.
 
 The largest image is ``requests.max_side`` squared. These are estimates, not guarantees: they refuse what cannot
-fit and leave what may fit to a run.
+fit and leave what may fit to a run. A DiT gang (``dit.parallel``) holds 1/tensor of the weights on each rank.
+
+A DiT gang is placed as one Ray placement group per replica, packed on one node (``STRICT_PACK``): the replica's own
+bundle, then one per rank (``dit_bundles``). With ``gpus_per_node`` declared, a gang that cannot fit one node is
+refused here; ``deployments.app`` checks the same bundles against the cluster's nodes before it deploys.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
             extra = (stage.kv_cache_memory_bytes / GIB if vllm else 0) + ENCODER_ACTIVATIONS_GIB
             detail = f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
         elif name == "dit":
-            params = PUBLISHED_PARAMS["transformer"]
+            params = PUBLISHED_PARAMS["transformer"] / stage.parallel.tensor
             rows = dit_rows_at(config, side)
             extra = rows * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2
             detail = (f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB for "
@@ -95,6 +99,7 @@ def check_placement(config) -> None:
             f"GPU (encoder.deployment.num_gpus: {encoder.deployment.num_gpus}): vLLM would claim memory the stages "
             "sharing the GPU hold"
         )
+    check_gang(config)
     if config.gpu_memory_gib is None:
         return
     for estimate in stage_memory(config, config.gpu_memory_gib):
@@ -104,3 +109,51 @@ def check_placement(config) -> None:
                 f"({estimate.detail}), more than its {estimate.share_gib} GiB share of a {config.gpu_memory_gib} "
                 "GiB GPU (gpu_memory_gib)"
             )
+
+
+def dit_bundles(dit) -> list[dict[str, float]]:
+    """The placement group of one DiT replica with a gang (``dit``: a DiTConfig): the replica's own bundle (its CPUs
+    and custom resources, no GPU), then one per rank (``parallel.rank_num_cpus`` CPUs and ``deployment.num_gpus``
+    GPUs)."""
+    deployment = dit.deployment
+    replica = {"CPU": deployment.num_cpus, **deployment.resources}
+    rank = {"CPU": dit.parallel.rank_num_cpus, "GPU": deployment.num_gpus}
+    return [_nonzero(replica)] + [_nonzero(rank) for _ in range(dit.parallel.world_size)]
+
+
+def _nonzero(bundle: dict[str, float]) -> dict[str, float]:
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def largest_shortfall(bundles: list[dict[str, float]], nodes: list[dict[str, float]]) -> dict[str, float] | None:
+    """None when some node's resources hold every bundle together (``STRICT_PACK``); otherwise what the bundles
+    need in all, for the message."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    if any(all(node.get(name, 0.0) >= amount for name, amount in need.items()) for node in nodes):
+        return None
+    return need
+
+
+def check_gang(config) -> None:
+    """Raises ValueError naming the field when a DiT gang (``dit.parallel`` above world size 1) cannot be placed:
+    the replica's bundle would be empty, ranks on CUDA would share a GPU (NCCL needs one each), or the gang needs
+    more GPUs than ``gpus_per_node``."""
+    dit = config.dit
+    world = dit.parallel.world_size
+    if world == 1:
+        return
+    if dit.deployment.num_cpus == 0 and not dit.deployment.resources:
+        raise ValueError("dit.deployment.num_cpus: a replica with a gang (dit.parallel) takes a bundle of its own in "
+                         "its placement group, which needs a CPU share (> 0)")
+    gpus = dit.deployment.num_gpus
+    if dit.device.startswith("cuda") and (gpus < 1 or gpus != int(gpus)):
+        raise ValueError(f"dit.deployment.num_gpus ({gpus}): each rank of a gang (dit.parallel) takes whole GPUs of "
+                         "its own (NCCL runs one rank per GPU)")
+    if config.gpus_per_node is not None and world * gpus > config.gpus_per_node:
+        raise ValueError(
+            f"dit.parallel: a gang of {world} ranks with {gpus:g} GPU(s) each (dit.deployment.num_gpus) needs "
+            f"{world * gpus:g} GPUs on one node, more than gpus_per_node ({config.gpus_per_node})"
+        )

@@ -187,3 +187,42 @@ def test_deployment_options_carry_threads_and_custom_resources(tiny_dir):
     assert dit["resources"] == {"omni_dit_node": 1.0}
     assert dit["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"}
     assert "resources" not in deployment_options(config.vae.deployment)["ray_actor_options"]
+
+
+def test_a_dit_gang_takes_a_placement_group_per_replica(tiny_dir):
+    """dit.parallel above world size 1: the replica's bundle (its CPUs and custom resources, no GPU), then one per
+    rank with the preset's GPUs, packed on one node; world size 1 keeps today's options."""
+    from deployments.app import dit_options
+
+    data = yaml.safe_load((PRESETS / "qwen_image.yaml").read_text())
+    assert "placement_group_bundles" not in dit_options(parse_config(data).dit)
+    data["dit"]["parallel"] = {"ulysses": 2, "tensor": 2, "rank_num_cpus": 2}
+    data["dit"]["deployment"]["resources"] = {"omni_dit_node": 1}
+    options = dit_options(parse_config(data).dit)  # Ray is not initialised here: no node to compare with
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["placement_group_bundles"] == [{"CPU": 4.0, "omni_dit_node": 1.0}] + [{"CPU": 2.0, "GPU": 1.0}] * 4
+    assert options["ray_actor_options"]["num_gpus"] == 0
+
+
+@pytest.mark.parametrize("dit, top, field", [
+    ({"parallel": {"cfg": 2}, "deployment": {"num_gpus": 0.5}}, {}, "dit.deployment.num_gpus (0.5)"),
+    ({"parallel": {"tensor": 8}}, {"gpus_per_node": 4}, "dit.parallel: a gang of 8 ranks with 1 GPU(s) each"),
+    ({"parallel": {"cfg": 2}, "deployment": {"num_cpus": 0}}, {}, "dit.deployment.num_cpus"),
+])
+def test_a_gang_that_cannot_be_placed_is_refused_naming_the_field(dit, top, field):
+    data = yaml.safe_load((PRESETS / "qwen_image.yaml").read_text())
+    for name, value in dit.items():
+        data["dit"][name] = {**data["dit"].get(name, {}), **value}
+    data.update(top)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        parse_config(data)
+    data["dit"]["parallel"] = {}
+    parse_config(data)  # one rank: none of it applies
+
+
+def test_largest_shortfall_packs_every_bundle_on_one_node():
+    from omni_ray.placement import largest_shortfall
+
+    bundles = [{"CPU": 1}, {"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}]
+    assert largest_shortfall(bundles, [{"CPU": 8, "GPU": 2}]) is None
+    assert largest_shortfall(bundles, [{"CPU": 4, "GPU": 2}, {"CPU": 64, "GPU": 1}]) == {"CPU": 5, "GPU": 2}

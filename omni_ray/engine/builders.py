@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -11,9 +14,11 @@ from omni_ray.engine.core import DiTEngineCore, EngineCore
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.encoder_core import EncoderEngineCore
+from omni_ray.engine.executor import Executor, GangRunner, MultiprocExecutor, RunnerFactory, gang_backend
 from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.runners.denoise import DenoiseRunner
+from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 from omni_ray.runners.transformers_encoder import TransformersEncoder
 from omni_ray.runners.vae import VaeRunner
@@ -59,19 +64,43 @@ def create_policy(stage: DiTConfig) -> SchedulingPolicy:
     return PriorityPolicy(stage.max_batch_tokens, stage.max_paused, stage.priority_aging_s)
 
 
-def build_dit_core(config: PipelineConfig) -> DiTEngineCore:
+ExecutorFactory = Callable[[RunnerFactory], Executor]  # a gang's executor, given how each rank builds its runner
+
+
+def build_dit_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None) -> DiTEngineCore:
+    """The DiT's core. At world size 1 (``dit.parallel``) its runner is built in this process; above it, on every
+    rank of a gang through ``executor_factory`` (the Serve deployment hands in its Ray executor; unset, a
+    ``MultiprocExecutor`` of processes on this machine), behind a ``GangRunner``."""
     stage = config.dit
     scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, create_policy(stage))
+    if stage.parallel.world_size == 1:
+        return DiTEngineCore(scheduler, build_dit_runner(config))
+    start_gang = executor_factory or functools.partial(local_gang, stage)
+    return DiTEngineCore(scheduler, GangRunner(start_gang(functools.partial(build_dit_runner, config))))
+
+
+def local_gang(stage: DiTConfig, make_runner: RunnerFactory) -> Executor:
+    """A gang of processes on this machine, one per rank."""
+    return MultiprocExecutor(make_runner, stage.parallel, gang_backend(stage.device))
+
+
+def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None) -> DenoiseRunner | SimulatedDenoiser:
+    """One rank's DiT runner (``mesh`` None: the replica's only one), compiled and warmed up when ``dit.compile``
+    says so. Picklable with its config (``functools.partial``), for a gang's ranks to call."""
+    stage = config.dit
     if stage.runner == "simulated":
-        return DiTEngineCore(scheduler, SimulatedDenoiser(getattr(torch, stage.dtype)))
+        return SimulatedDenoiser(getattr(torch, stage.dtype))
+    gang = {}
+    if mesh is not None and mesh.settings.world_size > 1 and "mesh" in inspect.signature(DenoiseRunner.load).parameters:
+        gang["mesh"] = mesh  # until the runner takes its mesh (issue 37), each rank runs the whole step
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
-                                quantization=stage.quantization)
+                                quantization=stage.quantization, **gang)
     if stage.compile:  # compile now, while the replica is not yet ready, not on a user's first request
         seconds = runner.warm_up(config.requests.default_height, config.requests.default_width)
         logger.info("DiT blocks compiled for %dx%d in %.1f s", config.requests.default_width,
                     config.requests.default_height, seconds)
-    return DiTEngineCore(scheduler, runner)
+    return runner
 
 
 def build_vae_core(config: PipelineConfig) -> EngineCore:

@@ -62,7 +62,11 @@ class EngineCore(Generic[SchedulerOutputT, RunnerOutputT]):
         """No figures of its own (the VAE's core)."""
 
     def shutdown(self) -> None:
-        """Nothing to release: the runner's tensors go with it."""
+        """Stops the ranks a gang's runner runs on (``GangRunner``); a runner in this process has nothing to
+        release: its tensors go with it."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
 
 class DiTEngineCore(EngineCore):

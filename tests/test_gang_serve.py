@@ -1,0 +1,162 @@
+"""A DiT replica as a gang of two ranks (``dit.parallel``) on a real local Ray cluster: the app answers with
+diffusers' pixels; a rank killed under load fails its step, the replica ends and Serve replaces it and its gang
+while every request is retried and none is lost; rank actors die with their replica; a gang no node can hold is
+refused when the app is built."""
+
+import concurrent.futures
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+import yaml
+from conftest import REPO
+
+from deployments.gang import RANK_ACTOR_PREFIX
+from omni_ray.api.client import connect_ray
+from testing.local_serve import LocalServe
+from testing.serving import expected, png, post, within_one_level
+
+pytestmark = pytest.mark.serve
+
+GANG = {"cfg": 2, "rank_num_cpus": 0.25, "timeout_s": 30}
+
+
+def gang_preset(tiny_dir, **parallel) -> dict:
+    preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
+    preset["model"] = str(tiny_dir)
+    preset["encoder"]["runner"] = "transformers"  # starts in seconds; the encoder is not the subject here
+    preset["dit"]["parallel"] = {**GANG, **parallel}
+    return preset
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=gang_preset(tiny_dir)) as local:
+        connect_ray(local.address, namespace="serve")
+        try:
+            yield local
+        finally:
+            import ray
+
+            ray.shutdown()
+
+
+def rank_names() -> list[str]:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(RANK_ACTOR_PREFIX))
+
+
+def rank_pids() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [""])[0].startswith("ray::RankWorker")}
+
+
+def health(served) -> int:
+    try:
+        with urllib.request.urlopen(served.base_url + "/health", timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def wait_for(condition, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return result
+
+
+def generate(served, seed: int, steps: int = 4) -> tuple[int, dict]:
+    body = {"prompt": f"a lighthouse, variation {seed % 5}", "size": "64x64", "seed": seed,
+            "num_inference_steps": steps, **({"negative_prompt": "blurry"} if seed % 2 else {})}
+    return post(served.base_url + "/v1/images/generations", body, timeout=300)
+
+
+def test_the_gang_serves_diffusers_pixels(served, tiny_dir):
+    import ray
+    from diffusers import QwenImagePipeline
+
+    status, response = generate(served, seed=3, steps=3)
+    assert status == 200, response
+    reference = QwenImagePipeline.from_pretrained(tiny_dir)
+    assert within_one_level(png(response["data"][0]["b64_json"]),
+                            expected(reference, "a lighthouse, variation 3", 3, 64, 64, 3, "blurry"))
+    names = rank_names()
+    assert [name.rsplit(":", 1)[1] for name in names] == ["rank0", "rank1"] and len(rank_pids()) == 2
+    for pid in rank_pids():  # the replica's runtime environment reaches its ranks: the preset's threads
+        assert psutil.Process(pid).environ().get("OMP_NUM_THREADS") == "2"
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    gangs = [g for g in groups if len(g["bundles"]) == 3]
+    assert len(gangs) == 1 and gangs[0]["strategy"] == "STRICT_PACK"
+    assert list(gangs[0]["bundles"].values()) == [{"CPU": 0.25}] * 3
+
+
+def test_a_killed_rank_loses_no_request_and_serve_replaces_the_gang(served):
+    """32 concurrent requests; rank 1 is killed after the first few finish. The step it ran fails, the replica ends
+    (``DiT._end_replica``), the request path issues every lost call again, Serve starts a new replica and gang."""
+    import ray
+
+    old_names, old_pids = rank_names(), rank_pids()
+    finished, killed_after = [], []
+
+    def one(seed):
+        outcome = generate(served, seed)
+        finished.append(seed)
+        return outcome
+
+    def killer():
+        wait_for(lambda: len(finished) >= 4, 120)
+        victim = next(name for name in old_names if name.endswith(":rank1"))
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        killed_after.append(len(finished))
+
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(33) as pool:
+        kill = pool.submit(killer)
+        outcomes = list(pool.map(one, range(32)))
+        kill.result(timeout=120)
+    elapsed = time.monotonic() - start
+    assert killed_after and killed_after[0] < 32  # the rank died with requests in flight
+    for status, response in outcomes:
+        assert status == 200 and len(response["data"]) == 1, response
+    assert wait_for(lambda: health(served) == 200, 60)
+    new_names = wait_for(lambda: (names := rank_names()) and set(names).isdisjoint(old_names) and names, 30)
+    assert len(new_names) == 2
+    assert wait_for(lambda: not (rank_pids() & old_pids) and len(rank_pids()) == 2, 30), (old_pids, rank_pids())
+    log = served.log()
+    assert "DiT gang broken" in log and "ending this replica" in log and "issuing it again" in log
+    retries = [line for line in log.splitlines() if "issuing it again" in line]
+    print(f"\n32 requests with a rank killed after {killed_after[0]}: {elapsed:.1f} s, {len(retries)} calls issued "
+          f"again, {sum('retry 2' in line for line in retries)} of them twice")
+
+
+def test_rank_actors_end_with_their_replica(served):
+    """The ranks are the replica's children: killing the DiT replica itself takes its gang down, and the new replica
+    brings a new one."""
+    import ray
+
+    old_pids = rank_pids()
+    replica = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith("SERVE_REPLICA::omni-ray#DiT#"))
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    assert wait_for(lambda: not (rank_pids() & old_pids), 30), "the killed replica's ranks outlived it"
+    assert wait_for(lambda: health(served) == 200 and len(rank_pids()) == 2, 60)
+    assert generate(served, seed=7, steps=2)[0] == 200
+
+
+def test_a_gang_no_node_can_hold_is_refused_when_the_app_is_built(served, tiny_dir, tmp_path):
+    """The cluster's nodes have 4 CPUs: 2 ranks of 3 CPUs beside the replica's quarter would wait for ever."""
+    from deployments.app import build_app
+
+    path = tmp_path / "preset.yaml"
+    path.write_text(yaml.safe_dump(gang_preset(tiny_dir, rank_num_cpus=3)))
+    with pytest.raises(ValueError, match=r"dit\.parallel: a gang of 2 ranks needs 6.25 CPU on one node .*"
+                                         r"the largest: 4 CPU"):
+        build_app({"stage_config": str(path)})
+    path.write_text(yaml.safe_dump(gang_preset(tiny_dir, rank_num_cpus=1.5)))
+    assert build_app({"stage_config": str(path)}) is not None  # 3.25 CPUs fit
+
