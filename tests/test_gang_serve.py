@@ -20,7 +20,7 @@ from testing.serving import expected, png, post, within_one_level
 
 pytestmark = pytest.mark.serve
 
-GANG = {"cfg": 2, "rank_num_cpus": 0.25, "timeout_s": 30}
+GANG = {"ulysses": 2, "rank_num_cpus": 0.25, "timeout_s": 30}
 
 
 def gang_preset(tiny_dir, **parallel) -> dict:

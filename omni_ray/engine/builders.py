@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Callable
 
@@ -90,12 +89,9 @@ def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None) -> Denois
     stage = config.dit
     if stage.runner == "simulated":
         return SimulatedDenoiser(getattr(torch, stage.dtype))
-    gang = {}
-    if mesh is not None and mesh.settings.world_size > 1 and "mesh" in inspect.signature(DenoiseRunner.load).parameters:
-        gang["mesh"] = mesh  # until the runner takes its mesh (issue 37), each rank runs the whole step
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
-                                quantization=stage.quantization, **gang)
+                                quantization=stage.quantization, mesh=mesh)
     if stage.compile:  # compile now, while the replica is not yet ready, not on a user's first request
         seconds = runner.warm_up(config.requests.default_height, config.requests.default_width)
         logger.info("DiT blocks compiled for %dx%d in %.1f s", config.requests.default_width,

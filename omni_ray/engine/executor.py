@@ -185,7 +185,7 @@ class MultiprocExecutor(Executor):
                     try:
                         outcomes[rank] = pickle.loads(conn.recv_bytes())
                         continue
-                    except EOFError:
+                    except (EOFError, ConnectionError):  # the rank's end closed, or reset as it died
                         pass
                 elif process.sentinel not in ready:
                     continue
@@ -250,7 +250,7 @@ def _rank_main(conn, make_runner: RunnerFactory, settings: ParallelSettings, ran
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
-            except EOFError:
+            except (EOFError, ConnectionError):  # the executor is gone
                 break
             if message is None:
                 break
