@@ -9,6 +9,7 @@ process is joined before it returns, so nothing is left behind.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import traceback
 
@@ -26,7 +27,9 @@ def _rank_main(rank: int, fn, settings: ParallelSettings, rendezvous: str, args:
     torch.set_num_threads(1)
     mesh = Mesh.init(settings, rank, f"file://{rendezvous}")
     try:
-        queue.put((rank, True, fn(mesh, *args)))
+        # pickled here, by value: a tensor put on a torch.multiprocessing queue as it is travels as a shared-memory file
+        # descriptor that the parent fetches from this process, which may have exited by then (ConnectionResetError)
+        queue.put((rank, True, pickle.dumps(fn(mesh, *args))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -49,7 +52,7 @@ def run_gang(fn, settings: ParallelSettings, *args, timeout_s: float = 300.0) ->
                 rank, ok, value = queue.get(timeout=timeout_s)
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             return [results[rank] for rank in range(settings.world_size)]
         finally:
             for process in processes:

@@ -8,7 +8,9 @@ patterns) in the file's metadata; the other spellings ``QwenImagePipeline.lora_s
 The base weights never change. Each adapted ``nn.Linear`` becomes a ``LoraLinear`` that adds, per row of the batch,
 that row's own update ``scale * (alpha / r) * B(A(x))`` (peft's arithmetic, in the same order), gathered from the
 adapters resident on the device and computed as two batched matmuls over the rows that have one. Rows without an
-adapter add nothing, so a batch without adapters runs the base model alone.
+adapter add nothing, so a batch without adapters runs the base model alone. On a tensor-parallel transformer
+(``parallel.tensor``) an adapter is read and checked whole, and each rank keeps its slice of it, as of the Linear it
+adapts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from omni_ray.config import LoraEntry, read_recipe, recipe_file
 from omni_ray.errors import RequestError
 from omni_ray.records import LoraKey, LoraRef
+from omni_ray.runners.parallel.tensor import ParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -200,10 +203,13 @@ class LoraLinear(nn.Module):
         self.filled: frozenset[int] = frozenset()  # slots whose adapter adapts this layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if not self.filled or self.table.current is None:
-            return y
-        return y + self._update(x)  # rows without an adapter here add exact zeros
+        # a row-parallel base sums the tensor ranks' partial outputs: this rank's share of the update (its columns of
+        # A) joins its partial output before that sum
+        row_parallel = isinstance(self.base, RowParallelLinear)
+        y = self.base.partial(x) if row_parallel else self.base(x)
+        if self.filled and self.table.current is not None:
+            y = y + self._update(x)  # rows without an adapter here add exact zeros
+        return self.base.reduce(y) if row_parallel else y
 
     @torch.compiler.disable  # which rows use which slots changes every step: in a compiled block, run it eagerly
     def _update(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +227,11 @@ class LoraLinear(nn.Module):
         return up if every_row else x.new_zeros(shape).index_copy(0, index, up)
 
     def fill(self, slot: int, layer: LoraLayer) -> None:
-        rank = layer.a.shape[0]
+        """Puts an adapter's factors for the whole Linear (``read_lora``'s) into ``slot``; a tensor-parallel base
+        keeps this rank's slice of them, as of its weight."""
+        down, up = (self.base.shard_lora(layer.a, layer.b) if isinstance(self.base, ParallelLinear)
+                    else (layer.a, layer.b))  # A, B
+        rank = down.shape[0]
         if self.a is None or self.a.shape[1] < rank:  # (re)allocate, padded to the largest rank
             like = {"device": self.base.weight.device, "dtype": self.base.weight.dtype}  # a quantized weight's
             # dtype is the one it computes in
@@ -232,8 +242,8 @@ class LoraLinear(nn.Module):
             self.a, self.b = a, b
         self.a[slot].zero_()
         self.b[slot].zero_()
-        self.a[slot, :rank] = layer.a.to(self.a)
-        self.b[slot, :, :rank] = layer.b.to(self.b)
+        self.a[slot, :rank] = down.to(self.a)
+        self.b[slot, :, :rank] = up.to(self.b)
         self.scaling[slot] = layer.scaling
         self.filled |= {slot}
 
@@ -252,8 +262,10 @@ class LoraTable:
         self.slot_of: dict[LoraKey, int] = {}
         self.layers: dict[str, LoraLinear] = {}  # module name -> its wrapper, once an adapter adapted it
         self.current: LoraRows | None = None  # the rows of the forward pass now running
-        self.shapes = {name: (m.in_features, m.out_features) for name, m in transformer.named_modules()
-                       if isinstance(m, nn.Linear)}
+        # module name -> (in, out) features of the whole Linear, tensor-parallel ones too: adapters are read and
+        # checked whole, and sharded as they fill a layer (LoraLinear.fill)
+        self.shapes = {name: m.full_features if isinstance(m, ParallelLinear) else (m.in_features, m.out_features)
+                       for name, m in transformer.named_modules() if isinstance(m, nn.Linear)}
 
     def add(self, key: LoraKey, layers: dict[str, LoraLayer]) -> None:
         """Puts an adapter (``read_lora``'s) into a free slot on the transformer's device and dtype."""
