@@ -9,6 +9,7 @@ runs them. Returns every request's final latents, and the bytes this rank sent p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from omni_ray.config import CacheSettings
@@ -20,7 +21,8 @@ TEACACHE = CacheSettings(kind="teacache", threshold=0.3)
 
 
 def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[list[DenoiseRequest]]:
-    """The requests, one list per batch key."""
+    """The requests, one list per batch key (``base`` and ``cfg-plain`` carry neither an adapter nor a cache: what
+    diffusers' pipeline can run from the same embeddings, ``diffusers_image``)."""
     generator = torch.Generator().manual_seed(0)
     prompts = [PromptEmbeds(torch.randn(n, dim, generator=generator)) for n in (7, 12)]
     negative = PromptEmbeds(torch.randn(5, dim, generator=generator))
@@ -37,7 +39,7 @@ def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[lis
         [request("plain-a", 0, lora=a), request("plain-b", 1, lora=b), request("cached", 0, cache=FIRST_BLOCK),
          request("base", 1), request("tea", 1, cache=TEACACHE)],
         [request("cfg-a", 0, cfg=True, lora=a), request("cfg-tea", 1, cfg=True, cache=TEACACHE),
-         request("cfg-b", 1, cfg=True, lora=b)],
+         request("cfg-b", 1, cfg=True, lora=b), request("cfg-plain", 0, cfg=True)],
         [request("edit", 0, height=64, width=64, lora=b)],
     ]
 
@@ -65,3 +67,24 @@ def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4, spli
             sent.append({op: n - before.get(op, 0) for op, n in runner.mesh.sent.items()})
             latents.update({rid: result.latents for rid, result in output.finished.items()})
     return latents, sent
+
+
+def diffusers_image(model: str, request: DenoiseRequest) -> np.ndarray:
+    """What diffusers' ``QwenImagePipeline`` makes of a request without an adapter or a cache, from its embeddings:
+    uint8 ``[H, W, 3]``."""
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(model)
+    params = request.params
+
+    def embeds(prompt: PromptEmbeds | None):
+        if prompt is None:
+            return None, None
+        return prompt.embeds[None], torch.ones(1, prompt.embeds.shape[0], dtype=torch.long)
+
+    (prompt, mask), (negative, negative_mask) = embeds(request.prompt), embeds(request.negative)
+    image = pipe(prompt_embeds=prompt, prompt_embeds_mask=mask, negative_prompt_embeds=negative,
+                 negative_prompt_embeds_mask=negative_mask, true_cfg_scale=params.true_cfg_scale,
+                 height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
+                 generator=torch.Generator("cpu").manual_seed(params.seed)).images[0]
+    return np.asarray(image)

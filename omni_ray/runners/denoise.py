@@ -39,6 +39,7 @@ from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
+from omni_ray.runners.parallel.tensor import shard_transformer
 from omni_ray.runners.quantization import quantize_fp8
 from omni_ray.runners.random_weights import random_model
 
@@ -77,16 +78,22 @@ class DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
         blocks' Linears in float8 (``quantization.quantize_fp8``); with ``compile``, its blocks compiled (dynamic
-        shapes: batch sizes, sub-batches of cache acceleration and text lengths vary)."""
-        if dummy:
+        shapes: batch sizes, sub-batches of cache acceleration and text lengths vary). In a gang (``mesh``) with
+        tensor ranks, each keeps its slice of the blocks' Linears (``parallel.tensor.shard_transformer``) before
+        the transformer reaches the device. Known limit: each rank reads the whole checkpoint on its host first
+        (about 41 GB in bf16 at full size) rather than only its slice."""
+        tensor_parallel = mesh is not None and mesh.tensor.size > 1
+        if dummy:  # the whole model on the host first when only a slice of it is to reach the device
             config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
-            transformer = random_model(QwenImageTransformer2DModel, config, dtype, device)
+            transformer = random_model(QwenImageTransformer2DModel, config, dtype, "cpu" if tensor_parallel else device)
         else:
             transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
         if 2 ** len(vae_config["temperal_downsample"]) != VAE_COMPRESSION:
             raise ValueError(f"{model}: not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
+        if tensor_parallel:
+            shard_transformer(transformer, mesh)
         transformer = transformer.to(device)
         if quantization == "fp8":
             logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
