@@ -14,7 +14,10 @@ the per-image activation figures measured on an H100 (benchmarks/results/gpu.jso
 - every stage: 1 GiB for the CUDA context and the allocator's slack.
 
 The largest image is ``requests.max_side`` squared. These are estimates, not guarantees: they refuse what cannot
-fit and leave what may fit to a run. A DiT gang (``dit.parallel``) holds 1/tensor of the weights on each rank.
+fit and leave what may fit to a run. A DiT gang (``dit.parallel``) is estimated per rank: the weights diffusers'
+``_tp_plan`` shards divided by ``tensor`` (the modulation Linears, a third of the model, whole on every rank), float8
+bytes for the Linears ``dit.quantization: fp8`` quantizes, and a step's activations divided over its CFG and sequence
+ranks (each holds half the passes, or a chunk of every row's tokens).
 
 A DiT gang is placed as one Ray placement group per replica, packed on one node (``STRICT_PACK``): the replica's own
 bundle, then one per rank (``dit_bundles``). With ``gpus_per_node`` declared, a gang that cannot fit one node is
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_ray.qwen_image import PUBLISHED_PARAMS, VISION_PARAMS, dit_work_tokens
+from omni_ray.qwen_image import FP8_PARAMS, PUBLISHED_PARAMS, TENSOR_SHARDED_PARAMS, VISION_PARAMS, dit_work_tokens
 
 GIB = 1 << 30
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -60,22 +63,34 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
         if name == "encoder":
             vllm = stage.runner == "model"  # transformers loads the vision tower always, and keeps no KV cache
             params = PUBLISHED_PARAMS["text_encoder"] - (VISION_PARAMS if vllm and config.edit is None else 0)
+            weights = params * width / GIB
             extra = (stage.kv_cache_memory_bytes / GIB if vllm else 0) + ENCODER_ACTIVATIONS_GIB
-            detail = f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
+            detail = f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
         elif name == "dit":
-            params = PUBLISHED_PARAMS["transformer"] / stage.parallel.tensor
+            parallel = stage.parallel
+            weights = dit_weight_bytes(width, parallel.tensor, stage.quantization == "fp8") / GIB
             rows = dit_rows_at(config, side)
-            extra = rows * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2
-            detail = (f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB for "
-                      f"{rows} request{'s' if rows != 1 else ''} at {side}x{side}")
+            extra = rows * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2 / (parallel.cfg * parallel.sequence)
+            fp8 = " and float8" if stage.quantization == "fp8" else ""
+            gang = f", per rank of a gang of {parallel.world_size}" if parallel.world_size > 1 else ""
+            detail = (f"{weights:.1f} GiB of {stage.dtype}{fp8} weights, {extra:.1f} GiB for "
+                      f"{rows} request{'s' if rows != 1 else ''} at {side}x{side}{gang}")
         else:
-            params = PUBLISHED_PARAMS["vae"]
+            weights = PUBLISHED_PARAMS["vae"] * width / GIB
             extra = stage.max_batch_size * VAE_GIB_PER_MEGAPIXEL * pixels / 1e6
-            detail = (f"{params * width / GIB:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB to decode "
+            detail = (f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB to decode "
                       f"{stage.max_batch_size} images at {side}x{side}")
-        need = params * width / GIB + extra + CONTEXT_GIB
+        need = weights + extra + CONTEXT_GIB
         out.append(StageMemory(name, round(need, 1), round(stage.deployment.num_gpus * gpu_memory_gib, 1), detail))
     return out
+
+
+def dit_weight_bytes(width: int, tensor: int = 1, fp8: bool = False) -> float:
+    """The bytes of Qwen-Image's transformer on one rank: the Linears ``_tp_plan`` shards, 1/``tensor`` of them
+    (float8 for those fp8 quantizes), and the rest whole."""
+    whole = PUBLISHED_PARAMS["transformer"] - TENSOR_SHARDED_PARAMS
+    quantized = FP8_PARAMS if fp8 else 0
+    return whole * width + ((TENSOR_SHARDED_PARAMS - quantized) * width + quantized) / tensor
 
 
 def dit_rows_at(config, side: int) -> int:
@@ -149,11 +164,12 @@ def check_gang(config) -> None:
         raise ValueError("dit.deployment.num_cpus: a replica with a gang (dit.parallel) takes a bundle of its own in "
                          "its placement group, which needs a CPU share (> 0)")
     gpus = dit.deployment.num_gpus
-    if dit.device.startswith("cuda") and (gpus < 1 or gpus != int(gpus)):
-        raise ValueError(f"dit.deployment.num_gpus ({gpus}): each rank of a gang (dit.parallel) takes whole GPUs of "
-                         "its own (NCCL runs one rank per GPU)")
-    if config.gpus_per_node is not None and world * gpus > config.gpus_per_node:
+    if dit.device.startswith("cuda") and not (0.5 < gpus <= 1 or gpus == int(gpus)):
+        raise ValueError(f"dit.deployment.num_gpus ({gpus}): each rank of a gang (dit.parallel) needs a GPU of its "
+                         "own (NCCL runs one rank per GPU): more than half of one (the rest left to other stages), "
+                         "or whole GPUs")
+    if config.gpus_per_node is not None and world * max(gpus, 1) > config.gpus_per_node:
         raise ValueError(
             f"dit.parallel: a gang of {world} ranks with {gpus:g} GPU(s) each (dit.deployment.num_gpus) needs "
-            f"{world * gpus:g} GPUs on one node, more than gpus_per_node ({config.gpus_per_node})"
+            f"{world * max(gpus, 1):g} GPUs on one node, more than gpus_per_node ({config.gpus_per_node})"
         )

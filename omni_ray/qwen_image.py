@@ -178,3 +178,8 @@ QWEN_IMAGE_TEACACHE = (-4.5e2, 2.8e2, -4.5e1, 3.2, -2e-2)
 # text encoder, vision tower included).
 PUBLISHED_PARAMS = {"transformer": 20_430_401_088, "vae": 126_892_531, "text_encoder": 8_292_166_656}
 VISION_PARAMS = 676_550_144  # Qwen2.5-VL-7B's vision tower, inside PUBLISHED_PARAMS["text_encoder"]
+# Of the transformer's: the weights of the Linears diffusers' _tp_plan shards (attention and MLPs; the modulation
+# Linears, 6.8 B, stay whole on every tensor rank), and those dit.quantization fp8 stores in float8 (all of them
+# sharded Linears: the blocks' less the image MLP's output and the modulation). tests/test_full_size.py counts both.
+TENSOR_SHARDED_PARAMS = 13_592_862_720
+FP8_PARAMS = 11_324_620_800

@@ -173,3 +173,49 @@ def test_the_edit_plus_and_2511_presets_load_and_are_edit_plus_presets_over_qwen
     assert counts == parameter_counts()  # zero_cond_t adds no parameters
     for name, count in counts.items():
         assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, name
+
+
+def test_the_tensor_sharded_and_fp8_parameter_counts_are_the_full_size_models():
+    """placement's per-rank estimate rests on these two counts: the Linears diffusers' _tp_plan shards, and those
+    FP8 quantizes (all of them among the sharded)."""
+    from omni_ray.qwen_image import FP8_PARAMS, TENSOR_SHARDED_PARAMS
+    from omni_ray.runners.parallel.tensor import planned_linears
+    from omni_ray.runners.quantization import fp8_linears
+    from testing.full_size import build_meta
+
+    transformer = build_meta()["transformer"]
+    modules = dict(transformer.named_modules())
+    plan = planned_linears(transformer)
+    assert sum(p.numel() for name in plan for p in modules[name].parameters()) == TENSOR_SHARDED_PARAMS
+    quantized = fp8_linears(transformer)
+    assert set(quantized) <= set(plan)
+    assert sum(modules[name].weight.numel() for name in quantized) == FP8_PARAMS
+
+
+GANG_PRESETS = {
+    # preset: (the gang's world size, a change that no longer fits, the field it names)
+    "qwen_image_48gb.yaml": (2, lambda p: p["dit"]["parallel"].update(tensor=1), "dit.deployment.num_gpus"),
+    "qwen_image_24gb.yaml": (4, lambda p: p["dit"].pop("quantization"), "dit.deployment.num_gpus"),
+    "qwen_image_8xh100.yaml": (4, lambda p: p["dit"]["deployment"].update(num_gpus=0.5), "dit.deployment.num_gpus"),
+    "qwen_image_latency.yaml": (8, lambda p: p.update(gpus_per_node=4), "dit.parallel"),
+}
+
+
+@pytest.mark.parametrize("name", GANG_PRESETS)
+def test_the_gang_presets_fit_their_gpus_and_an_overfull_one_names_the_field(name):
+    import yaml
+
+    from omni_ray.config import ConfigError, parse_config
+    from omni_ray.placement import stage_memory
+
+    world, overfill, field = GANG_PRESETS[name]
+    preset = yaml.safe_load((REPO / "stage_configs" / name).read_text())
+    config = parse_config(preset)
+    assert config.dit.parallel.world_size == world
+    assert all(e.fits for e in stage_memory(config, config.gpu_memory_gib))
+    gpus = sum(getattr(config, s).deployment.num_gpus * getattr(config, s).deployment.num_replicas
+               for s in ("encoder", "vae")) + config.dit.deployment.num_gpus * world * config.dit.deployment.num_replicas
+    assert gpus <= config.gpus_per_node
+    overfill(preset)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_config(preset)
