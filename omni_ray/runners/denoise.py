@@ -253,9 +253,9 @@ class DenoiseRunner:
         if comm.size > 1:
             like = states[0].latents.new_zeros(self._prediction_shape(states[0]))
             prediction = gather_passes(comm, ranks, prediction, like)
-            reused = gather_passes(comm, ranks, torch.tensor(
-                [float(c is not None and c.reused > b.reused) for c, b in zip(caches, [before[i] for i in mine])]
-            ) if mine else None, torch.zeros(()))
+            flags = [float(c is not None and c.reused > before[i].reused) for i, c in zip(mine, caches)]
+            flag = like.new_zeros((), dtype=torch.float32)  # on the gang's device: NCCL sends no host tensor
+            reused = gather_passes(comm, ranks, flag.new_tensor(flags) if mine else None, flag).tolist()
             local = dict(zip(mine, caches))
             caches = [local[i] if i in local else _counted(before[i], bool(reused[i])) for i in range(len(passes))]
         rows = len(states)
