@@ -48,3 +48,8 @@ def make_recorder(mesh) -> Recorder:
 
 def broken_runner(mesh):
     return 1 / 0
+
+
+def holdings(runner) -> tuple[list[str], list]:
+    """What a rank's DiT runner holds: the requests it keeps state for and the adapters resident in it."""
+    return sorted(runner.states), sorted(runner.loras.slot_of)

@@ -9,7 +9,7 @@ from omni_ray.engine.dit_load import StepTimes
 from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.scheduler import Scheduler, SchedulerOutput
 from omni_ray.engine.stats import DiTStats
-from omni_ray.records import LoraKey
+from omni_ray.records import DenoiseBatch, LoraKey
 
 SchedulerOutputT = TypeVar("SchedulerOutputT", bound=SchedulerOutput, contravariant=True)
 RunnerOutputT = TypeVar("RunnerOutputT", covariant=True)
@@ -99,4 +99,11 @@ class DiTEngineCore(EngineCore):
         self.runner.add_lora(key, layers)
 
     def remove_lora(self, key: LoraKey) -> None:
+        """Frees an adapter's slot. Requests aborted since the last step still hold their state in the runner (the
+        next step's batch drops it), and so their adapter: a batch that runs nothing drops them first, so the adapter
+        of a request just aborted may leave before the next step (``LoraResidency`` evicts it as soon as its last
+        request lets go)."""
+        freed = self.scheduler.take_freed_ids()
+        if freed:
+            self.runner.execute_model(DenoiseBatch(new_requests=[], request_ids=[], freed_ids=freed))
         self.runner.remove_lora(key)

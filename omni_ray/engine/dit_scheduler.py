@@ -98,7 +98,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self._forget_idle_keys()
 
     def schedule(self) -> DenoiseBatch:
-        freed, self.freed_ids = self.freed_ids, []
+        freed = self.take_freed_ids()
         self._age()
         rows = self._plan(list(self.entries.values()))
         max_paused = self.policy.max_paused
@@ -130,7 +130,8 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         return DenoiseBatch(new_requests=new, request_ids=[entry.request.request_id for entry in rows],
                             freed_ids=freed)
 
-    def update_from_output(self, scheduler_output: DenoiseBatch, runner_output: DenoiseOutput) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: DenoiseBatch, runner_output: DenoiseOutput
+                           ) -> list[EngineCoreOutput]:
         outputs = [
             EngineCoreOutput(request_id, progress=progress, preview=runner_output.previews.get(request_id))
             for request_id, progress in runner_output.progress.items()
@@ -150,6 +151,12 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
 
     def has_finished_requests(self) -> bool:
         return bool(self.freed_ids)
+
+    def take_freed_ids(self) -> list[str]:
+        """The requests that left the runner's care since the last step, handed out once: ``schedule()`` hands them
+        to the runner with the step's batch, or the core before it removes an adapter (``DiTEngineCore``)."""
+        freed, self.freed_ids = self.freed_ids, []
+        return freed
 
     # --- the rules ------------------------------------------------------------------------------------------------
 
