@@ -14,11 +14,13 @@ the per-image activation figures measured on an H100 (benchmarks/results/gpu.jso
 - every stage: 1 GiB for the CUDA context and the allocator's slack.
 
 The largest image is ``requests.max_side`` squared. These are estimates, not guarantees: they refuse what cannot
-fit and leave what may fit to a run. A DiT gang (``dit.parallel``) holds 1/tensor of the weights on each rank.
+fit and leave what may fit to a run. A DiT gang (``dit.parallel``) holds 1/tensor of the weights on each rank; a VAE
+gang's rank (``vae.parallel``) is estimated as a whole decode, an upper bound (it holds one band's activations).
 
-A DiT gang is placed as one Ray placement group per replica, packed on one node (``STRICT_PACK``): the replica's own
-bundle, then one per rank (``dit_bundles``). With ``gpus_per_node`` declared, a gang that cannot fit one node is
-refused here; ``deployments.app`` checks the same bundles against the cluster's nodes before it deploys.
+A gang (``dit.parallel`` or ``vae.parallel`` above world size 1) is placed as one Ray placement group per replica,
+packed on one node (``STRICT_PACK``): the replica's own bundle, then one per rank (``gang_bundles``). With
+``gpus_per_node`` declared, a gang that cannot fit one node is refused here; ``deployments.app`` checks the same
+bundles against the cluster's nodes before it deploys.
 """
 
 from __future__ import annotations
@@ -111,14 +113,17 @@ def check_placement(config) -> None:
             )
 
 
-def dit_bundles(dit) -> list[dict[str, float]]:
-    """The placement group of one DiT replica with a gang (``dit``: a DiTConfig): the replica's own bundle (its CPUs
-    and custom resources, no GPU), then one per rank (``parallel.rank_num_cpus`` CPUs and ``deployment.num_gpus``
-    GPUs)."""
-    deployment = dit.deployment
+GANG_STAGES = ("dit", "vae")  # the stages whose replicas may be gangs (their config's ``parallel``)
+
+
+def gang_bundles(stage) -> list[dict[str, float]]:
+    """The placement group of one replica with a gang (``stage``: a DiTConfig or VAEConfig): the replica's own
+    bundle (its CPUs and custom resources, no GPU), then one per rank (``parallel.rank_num_cpus`` CPUs and
+    ``deployment.num_gpus`` GPUs)."""
+    deployment = stage.deployment
     replica = {"CPU": deployment.num_cpus, **deployment.resources}
-    rank = {"CPU": dit.parallel.rank_num_cpus, "GPU": deployment.num_gpus}
-    return [_nonzero(replica)] + [_nonzero(rank) for _ in range(dit.parallel.world_size)]
+    rank = {"CPU": stage.parallel.rank_num_cpus, "GPU": deployment.num_gpus}
+    return [_nonzero(replica)] + [_nonzero(rank) for _ in range(stage.parallel.world_size)]
 
 
 def _nonzero(bundle: dict[str, float]) -> dict[str, float]:
@@ -138,22 +143,23 @@ def largest_shortfall(bundles: list[dict[str, float]], nodes: list[dict[str, flo
 
 
 def check_gang(config) -> None:
-    """Raises ValueError naming the field when a DiT gang (``dit.parallel`` above world size 1) cannot be placed:
-    the replica's bundle would be empty, ranks on CUDA would share a GPU (NCCL needs one each), or the gang needs
-    more GPUs than ``gpus_per_node``."""
-    dit = config.dit
-    world = dit.parallel.world_size
-    if world == 1:
-        return
-    if dit.deployment.num_cpus == 0 and not dit.deployment.resources:
-        raise ValueError("dit.deployment.num_cpus: a replica with a gang (dit.parallel) takes a bundle of its own in "
-                         "its placement group, which needs a CPU share (> 0)")
-    gpus = dit.deployment.num_gpus
-    if dit.device.startswith("cuda") and (gpus < 1 or gpus != int(gpus)):
-        raise ValueError(f"dit.deployment.num_gpus ({gpus}): each rank of a gang (dit.parallel) takes whole GPUs of "
-                         "its own (NCCL runs one rank per GPU)")
-    if config.gpus_per_node is not None and world * gpus > config.gpus_per_node:
-        raise ValueError(
-            f"dit.parallel: a gang of {world} ranks with {gpus:g} GPU(s) each (dit.deployment.num_gpus) needs "
-            f"{world * gpus:g} GPUs on one node, more than gpus_per_node ({config.gpus_per_node})"
-        )
+    """Raises ValueError naming the field when a stage's gang (``dit.parallel`` or ``vae.parallel`` above world size
+    1) cannot be placed: the replica's bundle would be empty, ranks on CUDA would share a GPU (NCCL needs one each),
+    or the gang needs more GPUs than ``gpus_per_node``."""
+    for name in GANG_STAGES:
+        stage = getattr(config, name)
+        world = stage.parallel.world_size
+        if world == 1:
+            continue
+        if stage.deployment.num_cpus == 0 and not stage.deployment.resources:
+            raise ValueError(f"{name}.deployment.num_cpus: a replica with a gang ({name}.parallel) takes a bundle of "
+                             "its own in its placement group, which needs a CPU share (> 0)")
+        gpus = stage.deployment.num_gpus
+        if stage.device.startswith("cuda") and (gpus < 1 or gpus != int(gpus)):
+            raise ValueError(f"{name}.deployment.num_gpus ({gpus}): each rank of a gang ({name}.parallel) takes whole "
+                             "GPUs of its own (NCCL runs one rank per GPU)")
+        if config.gpus_per_node is not None and world * gpus > config.gpus_per_node:
+            raise ValueError(
+                f"{name}.parallel: a gang of {world} ranks with {gpus:g} GPU(s) each ({name}.deployment.num_gpus) "
+                f"needs {world * gpus:g} GPUs on one node, more than gpus_per_node ({config.gpus_per_node})"
+            )
