@@ -17,8 +17,8 @@ from deployments.encoder import Encoder
 from deployments.routing import router_config
 from deployments.vae import VAE
 from omni_ray import checkpoints
-from omni_ray.config import DeploymentConfig, DiTConfig, load_config
-from omni_ray.placement import dit_bundles, largest_shortfall
+from omni_ray.config import DeploymentConfig, DiTConfig, VAEConfig, load_config
+from omni_ray.placement import gang_bundles, largest_shortfall
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,9 +44,9 @@ def build_app(args: dict) -> Application:
     # may run up to their deadline; other stage replicas' calls that outlive Serve's default wait are issued again.
     drain = {"graceful_shutdown_timeout_s": config.requests.timeout_s}
     encoder = stage_deployment(Encoder, config.encoder.deployment).bind(config)
-    dit = serve.deployment(DiT).options(**dit_options(config.dit), request_router_config=router_config(),
+    dit = serve.deployment(DiT).options(**gang_options(config.dit, "dit"), request_router_config=router_config(),
                                         **drain).bind(config)
-    vae = stage_deployment(VAE, config.vae.deployment).bind(config)
+    vae = serve.deployment(VAE).options(**gang_options(config.vae, "vae")).bind(config)
     return stage_deployment(CrossEngineCoordinator, config.coordinator, name="Coordinator", **drain).bind(
         encoder, dit, vae, config)
 
@@ -56,21 +56,22 @@ def stage_deployment(cls: type, options: DeploymentConfig, **more) -> serve.Depl
     return serve.deployment(cls).options(**deployment_options(options), **more)
 
 
-def dit_options(dit: DiTConfig) -> dict:
-    """The DiT's options in Serve's terms. With a gang (``dit.parallel`` above world size 1), each replica gets a
-    placement group: its own bundle, then one per rank, all on one node (``STRICT_PACK``), after a check that some
-    node of the cluster can hold it; the ranks take the GPUs, the replica none."""
-    options = deployment_options(dit.deployment)
-    if dit.parallel.world_size > 1:
-        bundles = dit_bundles(dit)
-        check_gang_fits_a_node(bundles, dit)
+def gang_options(stage: DiTConfig | VAEConfig, name: str) -> dict:
+    """The options in Serve's terms of a stage whose replicas may be gangs (``name``: ``dit`` or ``vae``). With a
+    gang (``<name>.parallel`` above world size 1), each replica gets a placement group: its own bundle, then one per
+    rank, all on one node (``STRICT_PACK``), after a check that some node of the cluster can hold it; the ranks take
+    the GPUs, the replica none."""
+    options = deployment_options(stage.deployment)
+    if stage.parallel.world_size > 1:
+        bundles = gang_bundles(stage)
+        check_gang_fits_a_node(bundles, stage, name)
         options["ray_actor_options"]["num_gpus"] = 0
         options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
     return options
 
 
-def check_gang_fits_a_node(bundles: list[dict[str, float]], dit: DiTConfig) -> None:
-    """Raises ValueError naming ``dit.parallel`` when no node of the cluster can hold one replica's gang: its
+def check_gang_fits_a_node(bundles: list[dict[str, float]], stage: DiTConfig | VAEConfig, name: str) -> None:
+    """Raises ValueError naming ``<name>.parallel`` when no node of the cluster can hold one replica's gang: its
     placement group would wait for ever and the app with it. The nodes are the live ones and, on an autoscaling
     cluster that publishes them, the node types it may add. Run where the builder runs on the cluster (``serve run
     config.yaml``, KubeRay); a builder called before Ray is initialised checks nothing."""
@@ -81,9 +82,10 @@ def check_gang_fits_a_node(bundles: list[dict[str, float]], dit: DiTConfig) -> N
     if need is not None:
         largest = max(nodes, key=lambda node: (node.get("GPU", 0), node.get("CPU", 0)), default={})
         raise ValueError(
-            f"dit.parallel: a gang of {dit.parallel.world_size} ranks needs {_resources(need)} on one node (the "
-            f"replica's dit.deployment, then dit.parallel.rank_num_cpus CPUs and dit.deployment.num_gpus GPUs per "
-            f"rank, packed on one node), more than any node of the cluster has (the largest: {_resources(largest)})"
+            f"{name}.parallel: a gang of {stage.parallel.world_size} ranks needs {_resources(need)} on one node (the "
+            f"replica's {name}.deployment, then {name}.parallel.rank_num_cpus CPUs and {name}.deployment.num_gpus "
+            f"GPUs per rank, packed on one node), more than any node of the cluster has (the largest: "
+            f"{_resources(largest)})"
         )
 
 

@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import AsyncIterator
 
-import ray
 from ray import serve
 
 from deployments import metrics
-from deployments.gang import RayExecutor
-from deployments.stage import StageDeployment, logger
+from deployments.stage import StageDeployment
 from deployments.stages import Upstream, write_step_stream
-from omni_ray.config import DiTConfig, LoraEntry, PipelineConfig
+from omni_ray.config import LoraEntry, PipelineConfig
 from omni_ray.engine.builders import build_dit_core, create_policy
 from omni_ray.engine.dit_load import DiTLoad
-from omni_ray.engine.executor import RunnerFactory
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.stats import EngineStats
-from omni_ray.errors import GangError, StageCall, StageLostError
+from omni_ray.errors import StageCall
 from omni_ray.records import DenoiseParams, DenoiseRequest, Finished, Latents, StepDone, upstream_timings
-
-GANG_END_WAIT_S = 10.0  # at most; Ray ends the process within milliseconds
 
 
 class DiT(StageDeployment):
@@ -36,9 +30,7 @@ class DiT(StageDeployment):
     stage = "dit"
 
     def __init__(self, config: PipelineConfig):
-        self.gang: RayExecutor | None = None
-        start_gang = functools.partial(self._start_gang, config.dit) if config.dit.parallel.world_size > 1 else None
-        super().__init__(lambda: build_dit_core(config, start_gang))
+        super().__init__(lambda: build_dit_core(config, self.gang_factory(config.dit)))
         policy = create_policy(config.dit)  # what the scheduler's steps take: the load counts work the same way
         self.load = DiTLoad(lambda: self.engine.stats.core.step_fit, config.dit.max_batch_size,
                             policy.max_batch_tokens, policy.by_priority)
@@ -51,31 +43,6 @@ class DiT(StageDeployment):
         # Serve's model multiplexing, for routing alone: it tells the routers which adapters this replica was last
         # asked for (as many as it holds), so requests for an adapter go preferably where it is resident.
         self._route = serve.multiplexed(max_num_models_per_replica=config.dit.max_loras)(route)
-
-    def _start_gang(self, stage: DiTConfig, make_runner: RunnerFactory) -> RayExecutor:
-        self.gang = RayExecutor(make_runner, stage, on_failure=self._end_replica)
-        return self.gang
-
-    def _end_replica(self, reason: str) -> None:
-        """What a broken gang does to its replica: ends it, now.
-
-        A rank's death fails the step it ran (the engine's ``StepError`` path, as a ``GangError``), and the gang can
-        run nothing more. Failing health checks alone would leave the replica routable for three health-check periods
-        (30 s by default) before Serve replaces it, and the request path's retries of the lost calls (a few, within a
-        second) would all land on it again and fail. Ended, the replica is a lost replica as any other: each call it
-        held raises ``RayActorError`` in its caller, which the request path issues again as a lost stage call
-        (``StageLostError``); the router stops sending to it at the first such error; Serve starts a new replica
-        with a new gang, whose rank actors the dead replica's took down with it (they are its children). A call
-        answered before the end sees the ``GangError`` turned into ``StageLostError`` (``denoise``): retried too."""
-        logger.error("DiT gang broken (%s): ending this replica so that Serve replaces it and its gang", reason)
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-        time.sleep(GANG_END_WAIT_S)  # the end comes first: callers then see a dead replica, which the router drops
-
-    def check_health(self) -> None:
-        """Serve restarts the replica when this raises: the engine loop died or one step hangs, or its gang broke."""
-        super().check_health()
-        if self.gang is not None:
-            self.gang.check_health()
 
     async def check_lora(self, path: str) -> LoraEntry:
         """A run-time adapter under ``lora.roots`` that this transformer can take (its resolved path, and its recipe
@@ -98,14 +65,13 @@ class DiT(StageDeployment):
             await self._route(params.lora.name)
         self.load.add(request_id, params.priority, request.work_tokens, params.steps_run)
         try:
-            async with self.loras.use(params.lora):
-                items = self._stream(request, f"denoised ({params.steps_run} steps)", timings)
-                async for item in write_step_stream(self._count_passes(items)):
-                    if isinstance(item, StepDone):
-                        self.load.progress(request_id, item.step, item.total)
-                    yield item
-        except GangError as err:  # the replica is ending (``_end_replica``): the call is lost with it
-            raise StageLostError("dit", StageCall.DENOISE, str(err)) from None
+            with self._lost_with_gang(StageCall.DENOISE):
+                async with self.loras.use(params.lora):
+                    items = self._stream(request, f"denoised ({params.steps_run} steps)", timings)
+                    async for item in write_step_stream(self._count_passes(items)):
+                        if isinstance(item, StepDone):
+                            self.load.progress(request_id, item.step, item.total)
+                        yield item
         finally:
             self.load.remove(request_id)
 

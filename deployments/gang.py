@@ -1,15 +1,16 @@
-"""A DiT replica's gang on Ray: one actor per rank, in the replica's own placement group.
+"""A stage replica's gang on Ray (the DiT's or the VAE's): one actor per rank, in the replica's own placement group.
 
-With ``dit.parallel`` above world size 1, ``deployments.app`` gives the DiT deployment a placement group per replica
-(``omni_ray.placement.dit_bundles``, ``STRICT_PACK``: the gang shares a node): the replica takes bundle 0, rank r's
-``RankWorker`` bundle 1 + r. The replica's engine drives the ranks through ``RayExecutor`` (``collective_rpc``, as
-vLLM's Ray executor does): every call goes to every rank in the same order, each rank runs it on its runner
-(``omni_ray.engine.executor.GangWorker``), rank 0's result comes back. The ranks rendezvous over TCP at rank 0's node
-address; NCCL on CUDA, gloo on the CPU.
+With ``dit.parallel`` (or ``vae.parallel``) above world size 1, ``deployments.app`` gives the stage's deployment a
+placement group per replica (``omni_ray.placement.gang_bundles``, ``STRICT_PACK``: the gang shares a node): the
+replica takes bundle 0, rank r's ``RankWorker`` bundle 1 + r. The replica's engine drives the ranks through
+``RayExecutor`` (``collective_rpc``, as vLLM's Ray executor does): every call goes to every rank in the same order,
+each rank runs it on its runner (``omni_ray.engine.executor.GangWorker``), rank 0's result comes back. The ranks
+rendezvous over TCP at rank 0's node address; NCCL on CUDA, gloo on the CPU.
 
 The rank actors are the replica's children: Ray ends them when the replica's process ends, however it ends, and
-``shutdown`` kills them when the engine stops. A rank that dies (``RayActorError``) or a call that runs past
-``dit.parallel.timeout_s`` is a ``GangError``; from then on the executor is unhealthy and ``on_failure`` is told once.
+``shutdown`` kills them when the engine stops. A rank that dies (``RayActorError``) or a call that runs past the
+stage's ``parallel.timeout_s`` is a ``GangError``; from then on the executor is unhealthy and ``on_failure`` is told
+once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from omni_ray.config import DiTConfig, ParallelSettings
+from omni_ray.config import DiTConfig, GangSettings, VAEConfig
 from omni_ray.engine.executor import (
     Executor,
     GangWorker,
@@ -46,7 +47,7 @@ RANK_ACTOR_PREFIX = "omni-ray-gang:"  # then "<replica actor id>:rank<r>"
 
 @ray.remote(concurrency_groups={"health": 1})
 class RankWorker:
-    """One rank of a DiT replica's gang: a ``GangWorker`` in a Ray actor. Calls run one at a time, in the order sent,
+    """One rank of a stage replica's gang: a ``GangWorker`` in a Ray actor. Calls run one at a time, in the order sent,
     on one thread; ``ping`` answers on a thread of its own, even while a step runs."""
 
     def __init__(self, rank: int):
@@ -60,7 +61,7 @@ class RankWorker:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def start(self, make_runner: RunnerFactory, settings: ParallelSettings, init_method: str, backend: str) -> None:
+    def start(self, make_runner: RunnerFactory, settings: GangSettings, init_method: str, backend: str) -> None:
         self.worker = GangWorker(make_runner, settings, self.rank, init_method, backend)
 
     def call(self, payload: tuple[Method, tuple, dict], reply: bool):
@@ -77,11 +78,13 @@ class RankWorker:
 
 
 class RayExecutor(Executor):
-    """The ranks of this replica's gang as ``RankWorker`` actors in its placement group (see the module's doc)."""
+    """The ranks of this replica's gang as ``RankWorker`` actors in its placement group (see the module's doc);
+    ``name``: the stage's (``dit``, ``vae``), for messages."""
 
-    def __init__(self, make_runner: RunnerFactory, stage: DiTConfig, on_failure: Callable[[str], None] | None = None,
-                 start_timeout_s: float | None = None):
+    def __init__(self, make_runner: RunnerFactory, stage: DiTConfig | VAEConfig, name: str,
+                 on_failure: Callable[[str], None] | None = None, start_timeout_s: float | None = None):
         settings = stage.parallel
+        self.name = name
         self.world_size, self.timeout_s = settings.world_size, settings.timeout_s
         self.failure: str | None = None
         self.on_failure = None  # told once the gang has started: a gang that fails to start fails the replica's start
@@ -90,8 +93,9 @@ class RayExecutor(Executor):
         self._pinged_at = 0.0
         group = get_current_placement_group()
         if group is None:
-            raise EngineError("a DiT gang (dit.parallel) runs in its replica's placement group, and this process has "
-                              "none: deploy it with deployments.app, which gives the DiT its placement group bundles")
+            raise EngineError(f"a gang ({name}.parallel) runs in its replica's placement group, and this process has "
+                              f"none: deploy it with deployments.app, which gives the {name} its placement group "
+                              "bundles")
         replica = ray.get_runtime_context().get_actor_id()
         self.workers = [
             RankWorker.options(
@@ -111,7 +115,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("DiT gang of %d ranks started (%s over %s)", self.world_size, init_method, backend)
+        logger.info("%s gang of %d ranks started (%s over %s)", name, self.world_size, init_method, backend)
         self.on_failure = on_failure
 
     def collective_rpc(self, method: Method, args: tuple = (), kwargs: dict | None = None,
@@ -153,7 +157,7 @@ class RayExecutor(Executor):
         first = self.failure is None
         self.failure = self.failure or reason
         if first:
-            logger.error("DiT gang broken: %s", reason)
+            logger.error("%s gang broken: %s", self.name, reason)
             self._kill_ranks()
             if self.on_failure is not None:
                 self.on_failure(reason)
@@ -187,7 +191,7 @@ class RayExecutor(Executor):
             try:
                 ray.get([worker.stop.remote() for worker in self.workers], timeout=10)
             except Exception as err:  # going away regardless
-                logger.warning("DiT gang: a rank did not stop cleanly (%s)", err)
+                logger.warning("%s gang: a rank did not stop cleanly (%s)", self.name, err)
         self._kill_ranks()
 
     def _kill_ranks(self) -> None:

@@ -4,26 +4,35 @@ A stage's input from another stage arrives as an ``Upstream`` (a reference the c
 reading it), which the shim resolves itself: an input lost with another replica raises ``StageLostError`` naming
 that call, so the request path issues exactly that call again. The shim reads its engine only through what the
 engine hands out (each result with its timings, and ``engine.stats``), never the core's attributes. One module per
-stage: ``encoder``, ``dit``, ``vae``.
+stage: ``encoder``, ``dit``, ``vae``. The DiT's and the VAE's replicas may run their runner on a gang of ranks
+(``deployments.gang``); a broken gang ends its replica (``_end_replica``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import ray
 import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
 
 from deployments import metrics
+from deployments.gang import RayExecutor
 from deployments.process import freeze_startup_heap
+from omni_ray.config import DiTConfig, VAEConfig
 from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.engine.executor import ExecutorFactory, RunnerFactory
 from omni_ray.engine.stats import EngineStats
+from omni_ray.errors import GangError, StageCall, StageLostError
 from omni_ray.records import Finished
 
 logger = logging.getLogger("ray.serve")
+
+GANG_END_WAIT_S = 10.0  # at most; Ray ends the process within milliseconds
 
 
 class StageDeployment:
@@ -32,6 +41,7 @@ class StageDeployment:
     stage = ""
 
     def __init__(self, build_core):
+        self.gang: RayExecutor | None = None  # set while ``build_core`` starts one (``gang_factory``)
         self.tags = {"stage": self.stage}
         self.last_step_at = 0.0  # monotonic
         self.engine = AsyncEngine(build_core, self.stage, on_step=self._record_step).start()
@@ -85,9 +95,46 @@ class StageDeployment:
             logger.warning("request %s: %s failed: %s", request.request_id, self.stage, err)
             raise
 
+    def gang_factory(self, stage: DiTConfig | VAEConfig) -> ExecutorFactory | None:
+        """How the stage's builder starts its gang here (``stage.parallel`` above world size 1): as rank actors in
+        this replica's placement group, a broken gang ending the replica; None at world size 1."""
+        return functools.partial(self._start_gang, stage) if stage.parallel.world_size > 1 else None
+
+    def _start_gang(self, stage: DiTConfig | VAEConfig, make_runner: RunnerFactory) -> RayExecutor:
+        self.gang = RayExecutor(make_runner, stage, self.stage, on_failure=self._end_replica)
+        return self.gang
+
+    def _end_replica(self, reason: str) -> None:
+        """What a broken gang does to its replica: ends it, now.
+
+        A rank's death fails the step it ran (the engine's ``StepError`` path, as a ``GangError``), and the gang can
+        run nothing more. Failing health checks alone would leave the replica routable for three health-check periods
+        (30 s by default) before Serve replaces it, and the request path's retries of the lost calls (a few, within a
+        second) would all land on it again and fail. Ended, the replica is a lost replica as any other: each call it
+        held raises ``RayActorError`` in its caller, which the request path issues again as a lost stage call
+        (``StageLostError``); the router stops sending to it at the first such error; Serve starts a new replica
+        with a new gang, whose rank actors the dead replica's took down with it (they are its children). A call
+        answered before the end sees the ``GangError`` turned into ``StageLostError`` (``_lost_with_gang``): retried
+        too."""
+        logger.error("%s gang broken (%s): ending this replica so that Serve replaces it and its gang", self.stage,
+                     reason)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        time.sleep(GANG_END_WAIT_S)  # the end comes first: callers then see a dead replica, which the router drops
+
+    @contextlib.contextmanager
+    def _lost_with_gang(self, call: StageCall) -> Iterator[None]:
+        """A call that failed with its replica's gang (the replica is ending) is lost with it: the caller issues
+        ``call`` again."""
+        try:
+            yield
+        except GangError as err:
+            raise StageLostError(self.stage, call, str(err)) from None
+
     def check_health(self) -> None:
-        """Serve restarts the replica when this raises: the engine loop died or one step hangs."""
+        """Serve restarts the replica when this raises: the engine loop died or one step hangs, or its gang broke."""
         self.engine.check_health()
+        if self.gang is not None:
+            self.gang.check_health()
 
     def stats(self) -> dict:
         """Counters of the engine: requests it took, aborted, still running; steps it ran; and the Ray node the

@@ -1,4 +1,5 @@
-"""The VAE stage's deployment: latents to pixels in batches, and an edit's input images to latents."""
+"""The VAE stage's deployment: latents to pixels in batches, and an edit's input images to latents; with
+``vae.parallel``, each replica decodes over a gang of ranks (``deployments.gang``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from deployments.stage import StageDeployment
 from deployments.stages import Upstream
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.builders import build_vae_core
+from omni_ray.errors import StageCall
 from omni_ray.records import Decoded, DecodeRequest, ImageEncodeRequest, Latents, OutputMode
 
 
@@ -17,14 +19,16 @@ class VAE(StageDeployment):
     stage = "vae"
 
     def __init__(self, config: PipelineConfig):
-        super().__init__(lambda: build_vae_core(config))
+        super().__init__(lambda: build_vae_core(config, self.gang_factory(config.vae)))
 
     async def decode(self, request_id: str, latents: Upstream, output: OutputMode = "pixels", preview: bool = False
                      ) -> Decoded:
         resolved: Latents = await latents.resolve()
-        return await self._run(DecodeRequest(request_id, resolved, output, preview), "decoded", resolved.timings)
+        with self._lost_with_gang(StageCall.DECODE):
+            return await self._run(DecodeRequest(request_id, resolved, output, preview), "decoded", resolved.timings)
 
     async def encode(self, request_id: str, image: np.ndarray, seed: int | None = None) -> Latents:
         """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with (a
         masked edit's start image: a sample drawn with ``seed``)."""
-        return await self._run(ImageEncodeRequest(request_id, image, seed), "encoded image")
+        with self._lost_with_gang(StageCall.ENCODE_IMAGE):
+            return await self._run(ImageEncodeRequest(request_id, image, seed), "encoded image")

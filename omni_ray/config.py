@@ -30,6 +30,7 @@ from omni_ray.qwen_image import (
     QWEN_IMAGE_TEACACHE,
     TEXT_TO_IMAGE,
     TOKENIZER_MAX_LENGTH,
+    VAE_COMPRESSION,
     PromptTemplate,
     check_side,
     template_for,
@@ -193,7 +194,27 @@ class CacheSettings(_Frozen):
     )
 
 
-class ParallelSettings(_Frozen):
+class GangSettings(_Frozen):
+    """What a stage's gang of ranks takes, whatever it splits over them: a replica above world size 1 is that many
+    processes (Ray actors in the replica's placement group when served), one GPU each on GPU presets."""
+
+    timeout_s: float = Field(
+        120.0, gt=0, description="A collective that waits longer fails the step (a rank died or hangs), so the "
+        "replica turns unhealthy and Serve replaces the gang.",
+    )
+    rank_num_cpus: float = Field(
+        1.0, gt=0, description="Logical CPUs each rank's Ray actor reserves: its bundle of the replica's placement "
+        "group, beside the stage's deployment.num_gpus GPUs on GPU presets (fractions for CPU tests). The replica "
+        "itself keeps its deployment.num_cpus and no GPU.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the gang."""
+        raise NotImplementedError
+
+
+class ParallelSettings(GangSettings):
     """How one DiT replica splits a request over a gang of ranks (one process, and on GPU presets one GPU, each).
     The gang's world size is the product of the four degrees; 1 everywhere (the default) is one process."""
 
@@ -213,15 +234,6 @@ class ParallelSettings(_Frozen):
         1, description="Tensor parallelism: attention heads and MLP columns sharded over this many ranks, one "
         "all-reduce per sub-block; each rank holds 1/tensor of the blocks' weights and of each adapter's.",
     )
-    timeout_s: float = Field(
-        120.0, gt=0, description="A collective that waits longer fails the step (a rank died or hangs), so the "
-        "replica turns unhealthy and Serve replaces the gang.",
-    )
-    rank_num_cpus: float = Field(
-        1.0, gt=0, description="Logical CPUs each rank's Ray actor reserves: its bundle of the replica's placement "
-        "group, beside dit.deployment.num_gpus GPUs on GPU presets (fractions for CPU tests). The replica itself "
-        "keeps dit.deployment.num_cpus and no GPU.",
-    )
 
     @property
     def world_size(self) -> int:
@@ -231,6 +243,22 @@ class ParallelSettings(_Frozen):
     def sequence(self) -> int:
         """Ranks one row's tokens are split over."""
         return self.ulysses * self.ring
+
+
+class VaeParallelSettings(GangSettings):
+    """How one VAE replica splits a decode over a gang of ranks (omni_ray/runners/parallel/vae_patches.py)."""
+
+    patches: PositiveInt = Field(
+        1, description="Ranks an image's decode is split over by latent rows: each rank decodes its band with the "
+        "rows of context its convolutions reach (the mid block runs on the whole latent on every rank) and the "
+        "pixel rows are gathered, so the pixels are the one-rank decode's (bit for bit on the CPU) while each rank "
+        "holds a band's activations. At most requests.min_side / 8 (an image's fewest latent rows). An edit's "
+        "image encoding runs on rank 0 alone. 1: one process.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.patches
 
 
 class DiTConfig(_StageConfig):
@@ -311,6 +339,11 @@ class VAEConfig(_StageConfig):
         "untiled decode's (bit for bit on the CPU; on a GPU, float rounding aside), unlike diffusers' enable_tiling, "
         "whose blended tiles differ. Costs up to 1.8x the up path's work (at 1328x1328) for about a third of its "
         "activation memory.",
+    )
+    parallel: VaeParallelSettings = Field(
+        default_factory=VaeParallelSettings,
+        description="One decode on several ranks (`patches`): above one, each replica is a gang of that many Ray "
+        "actors in the replica's placement group, one GPU each on GPU presets, as dit.parallel's.",
     )
 
 
@@ -497,8 +530,9 @@ class PipelineConfig(_Frozen):
     )
     gpus_per_node: PositiveInt | None = Field(
         None,
-        description="GPUs of one node of the machines the GPU stages run on; set, a DiT gang (dit.parallel's world "
-        "size, dit.deployment.num_gpus each) that cannot fit one node is refused (omni_ray/placement.py).",
+        description="GPUs of one node of the machines the GPU stages run on; set, a gang (dit.parallel's or "
+        "vae.parallel's world size, the stage's deployment.num_gpus each) that cannot fit one node is refused "
+        "(omni_ray/placement.py).",
     )
     gpu_memory_gib: float | None = Field(
         None, gt=0,
@@ -547,6 +581,11 @@ class PipelineConfig(_Frozen):
             if self.dit.dtype != "bfloat16":
                 raise ValueError(f"dit.quantization: fp8 keeps its other layers in bfloat16; dit.dtype is "
                                  f"{self.dit.dtype}")
+        fewest_rows = self.requests.min_side // VAE_COMPRESSION
+        if self.vae.parallel.patches > fewest_rows:
+            raise ValueError(f"vae.parallel.patches ({self.vae.parallel.patches}) exceeds the latent rows of the "
+                             f"smallest image ({fewest_rows}: requests.min_side / {VAE_COMPRESSION}); each rank "
+                             "decodes one row at least")
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
         check_placement(self)

@@ -117,9 +117,9 @@ class StageLostError(OverloadedError):
 
 
 class GangError(EngineError):
-    """A DiT gang (one replica's ranks, ``omni_ray.engine.executor``) broke: a rank died, or a call to the ranks ran
-    past its timeout. The ranks' states may have diverged, so the gang runs nothing more; its executor's
-    ``check_health`` raises from then on."""
+    """A stage's gang (one DiT or VAE replica's ranks, ``omni_ray.engine.executor``) broke: a rank died, or a call
+    to the ranks ran past its timeout. The ranks' states may have diverged, so the gang runs nothing more; its
+    executor's ``check_health`` raises from then on."""
 
 
 class DeadlineExceededError(EngineError):

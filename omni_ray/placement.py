@@ -17,11 +17,13 @@ The largest image is ``requests.max_side`` squared. These are estimates, not gua
 fit and leave what may fit to a run. A DiT gang (``dit.parallel``) is estimated per rank: the weights diffusers'
 ``_tp_plan`` shards divided by ``tensor`` (the modulation Linears, a third of the model, whole on every rank), float8
 bytes for the Linears ``dit.quantization: fp8`` quantizes, and a step's activations divided over its CFG and sequence
-ranks (each holds half the passes, or a chunk of every row's tokens).
+ranks (each holds half the passes, or a chunk of every row's tokens). A VAE gang's rank (``vae.parallel``) is
+estimated as a whole decode, an upper bound (it holds one band's activations).
 
-A DiT gang is placed as one Ray placement group per replica, packed on one node (``STRICT_PACK``): the replica's own
-bundle, then one per rank (``dit_bundles``). With ``gpus_per_node`` declared, a gang that cannot fit one node is
-refused here; ``deployments.app`` checks the same bundles against the cluster's nodes before it deploys.
+A gang (``dit.parallel`` or ``vae.parallel`` above world size 1) is placed as one Ray placement group per replica,
+packed on one node (``STRICT_PACK``): the replica's own bundle, then one per rank (``gang_bundles``). With
+``gpus_per_node`` declared, a gang that cannot fit one node is refused here; ``deployments.app`` checks the same
+bundles against the cluster's nodes before it deploys.
 """
 
 from __future__ import annotations
@@ -126,14 +128,17 @@ def check_placement(config) -> None:
             )
 
 
-def dit_bundles(dit) -> list[dict[str, float]]:
-    """The placement group of one DiT replica with a gang (``dit``: a DiTConfig): the replica's own bundle (its CPUs
-    and custom resources, no GPU), then one per rank (``parallel.rank_num_cpus`` CPUs and ``deployment.num_gpus``
-    GPUs)."""
-    deployment = dit.deployment
+GANG_STAGES = ("dit", "vae")  # the stages whose replicas may be gangs (their config's ``parallel``)
+
+
+def gang_bundles(stage) -> list[dict[str, float]]:
+    """The placement group of one replica with a gang (``stage``: a DiTConfig or VAEConfig): the replica's own
+    bundle (its CPUs and custom resources, no GPU), then one per rank (``parallel.rank_num_cpus`` CPUs and
+    ``deployment.num_gpus`` GPUs)."""
+    deployment = stage.deployment
     replica = {"CPU": deployment.num_cpus, **deployment.resources}
-    rank = {"CPU": dit.parallel.rank_num_cpus, "GPU": deployment.num_gpus}
-    return [_nonzero(replica)] + [_nonzero(rank) for _ in range(dit.parallel.world_size)]
+    rank = {"CPU": stage.parallel.rank_num_cpus, "GPU": deployment.num_gpus}
+    return [_nonzero(replica)] + [_nonzero(rank) for _ in range(stage.parallel.world_size)]
 
 
 def _nonzero(bundle: dict[str, float]) -> dict[str, float]:
@@ -153,23 +158,24 @@ def largest_shortfall(bundles: list[dict[str, float]], nodes: list[dict[str, flo
 
 
 def check_gang(config) -> None:
-    """Raises ValueError naming the field when a DiT gang (``dit.parallel`` above world size 1) cannot be placed:
-    the replica's bundle would be empty, ranks on CUDA would share a GPU (NCCL needs one each), or the gang needs
-    more GPUs than ``gpus_per_node``."""
-    dit = config.dit
-    world = dit.parallel.world_size
-    if world == 1:
-        return
-    if dit.deployment.num_cpus == 0 and not dit.deployment.resources:
-        raise ValueError("dit.deployment.num_cpus: a replica with a gang (dit.parallel) takes a bundle of its own in "
-                         "its placement group, which needs a CPU share (> 0)")
-    gpus = dit.deployment.num_gpus
-    if dit.device.startswith("cuda") and not (0.5 < gpus <= 1 or gpus == int(gpus)):
-        raise ValueError(f"dit.deployment.num_gpus ({gpus}): each rank of a gang (dit.parallel) needs a GPU of its "
-                         "own (NCCL runs one rank per GPU): more than half of one (the rest left to other stages), "
-                         "or whole GPUs")
-    if config.gpus_per_node is not None and world * max(gpus, 1) > config.gpus_per_node:
-        raise ValueError(
-            f"dit.parallel: a gang of {world} ranks with {gpus:g} GPU(s) each (dit.deployment.num_gpus) needs "
-            f"{world * max(gpus, 1):g} GPUs on one node, more than gpus_per_node ({config.gpus_per_node})"
-        )
+    """Raises ValueError naming the field when a stage's gang (``dit.parallel`` or ``vae.parallel`` above world size
+    1) cannot be placed: the replica's bundle would be empty, ranks on CUDA would share a GPU (NCCL needs one each:
+    more than half of one, the rest left to other stages, or whole GPUs), or the gang needs more GPUs than
+    ``gpus_per_node``."""
+    for name in GANG_STAGES:
+        stage = getattr(config, name)
+        world = stage.parallel.world_size
+        if world == 1:
+            continue
+        if stage.deployment.num_cpus == 0 and not stage.deployment.resources:
+            raise ValueError(f"{name}.deployment.num_cpus: a replica with a gang ({name}.parallel) takes a bundle of "
+                             "its own in its placement group, which needs a CPU share (> 0)")
+        gpus = stage.deployment.num_gpus
+        if stage.device.startswith("cuda") and not (0.5 < gpus <= 1 or gpus == int(gpus)):
+            raise ValueError(f"{name}.deployment.num_gpus ({gpus}): each rank of a gang ({name}.parallel) needs a GPU "
+                             "of its own (NCCL runs one rank per GPU): more than half of one, or whole GPUs")
+        if config.gpus_per_node is not None and world * max(gpus, 1) > config.gpus_per_node:
+            raise ValueError(
+                f"{name}.parallel: a gang of {world} ranks with {gpus:g} GPU(s) each ({name}.deployment.num_gpus) "
+                f"needs {world * max(gpus, 1):g} GPUs on one node, more than gpus_per_node ({config.gpus_per_node})"
+            )

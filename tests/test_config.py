@@ -58,6 +58,12 @@ def test_config_is_frozen(tiny_dir):
         (lambda d: d["dit"].update(device="cuda"), "dit.deployment.num_gpus", "must be > 0"),
         (lambda d: d["dit"].update(quantization="int4"), "dit.quantization", "'none' or 'fp8'"),
         (lambda d: d["dit"].update(quantization="fp8"), "dit.quantization", "runs on CUDA GPUs"),
+        (lambda d: d["vae"].update(parallel={"patches": 0}), "vae.parallel.patches", "greater than 0"),
+        (lambda d: d["vae"].update(parallel={"patches": 2, "timeout_s": 0}), "vae.parallel.timeout_s",
+         "greater than 0"),
+        (lambda d: d["vae"].update(parallel={"pieces": 2}), "vae.parallel.pieces", "unknown field"),
+        (lambda d: d["vae"].update(parallel={"patches": 5}), "vae.parallel.patches (5)",
+         "latent rows of the smallest image (4: requests.min_side / 8)"),
         (lambda d: (d["dit"].update(quantization="fp8", device="cuda"), d["dit"]["deployment"].update(num_gpus=1)),
          "dit.quantization", "dit.dtype is float32"),
         (
@@ -192,31 +198,49 @@ def test_deployment_options_carry_threads_and_custom_resources(tiny_dir):
 def test_a_dit_gang_takes_a_placement_group_per_replica(tiny_dir):
     """dit.parallel above world size 1: the replica's bundle (its CPUs and custom resources, no GPU), then one per
     rank with the preset's GPUs, packed on one node; world size 1 keeps today's options."""
-    from deployments.app import dit_options
+    from deployments.app import gang_options
 
     data = yaml.safe_load((PRESETS / "qwen_image.yaml").read_text())
-    assert "placement_group_bundles" not in dit_options(parse_config(data).dit)
+    assert "placement_group_bundles" not in gang_options(parse_config(data).dit, "dit")
     data["dit"]["parallel"] = {"ulysses": 2, "tensor": 2, "rank_num_cpus": 2}
     data["dit"]["deployment"]["resources"] = {"omni_dit_node": 1}
-    options = dit_options(parse_config(data).dit)  # Ray is not initialised here: no node to compare with
+    options = gang_options(parse_config(data).dit, "dit")  # Ray is not initialised here: no node to compare with
     assert options["placement_group_strategy"] == "STRICT_PACK"
     assert options["placement_group_bundles"] == [{"CPU": 4.0, "omni_dit_node": 1.0}] + [{"CPU": 2.0, "GPU": 1.0}] * 4
     assert options["ray_actor_options"]["num_gpus"] == 0
 
 
-@pytest.mark.parametrize("dit, top, field", [
-    ({"parallel": {"cfg": 2}, "deployment": {"num_gpus": 0.5}}, {}, "dit.deployment.num_gpus (0.5)"),
-    ({"parallel": {"tensor": 8}}, {"gpus_per_node": 4}, "dit.parallel: a gang of 8 ranks with 1 GPU(s) each"),
-    ({"parallel": {"cfg": 2}, "deployment": {"num_cpus": 0}}, {}, "dit.deployment.num_cpus"),
-])
-def test_a_gang_that_cannot_be_placed_is_refused_naming_the_field(dit, top, field):
+def test_a_vae_gang_takes_a_placement_group_per_replica():
+    """vae.parallel.patches above one: the VAE's replica gets the same placement group as a DiT gang's."""
+    from deployments.app import gang_options
+
     data = yaml.safe_load((PRESETS / "qwen_image.yaml").read_text())
-    for name, value in dit.items():
-        data["dit"][name] = {**data["dit"].get(name, {}), **value}
+    assert "placement_group_bundles" not in gang_options(parse_config(data).vae, "vae")
+    data["vae"]["parallel"] = {"patches": 2, "rank_num_cpus": 2, "timeout_s": 60}
+    vae = parse_config(data).vae
+    assert (vae.parallel.world_size, vae.parallel.timeout_s) == (2, 60)
+    options = gang_options(vae, "vae")
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["placement_group_bundles"] == [{"CPU": 4.0}] + [{"CPU": 2.0, "GPU": 1.0}] * 2
+    assert options["ray_actor_options"]["num_gpus"] == 0
+
+
+@pytest.mark.parametrize("stage, edits, top, field", [
+    ("dit", {"parallel": {"cfg": 2}, "deployment": {"num_gpus": 0.5}}, {}, "dit.deployment.num_gpus (0.5)"),
+    ("dit", {"parallel": {"tensor": 8}}, {"gpus_per_node": 4}, "dit.parallel: a gang of 8 ranks with 1 GPU(s) each"),
+    ("dit", {"parallel": {"cfg": 2}, "deployment": {"num_cpus": 0}}, {}, "dit.deployment.num_cpus"),
+    ("vae", {"parallel": {"patches": 2}, "deployment": {"num_gpus": 0.5}}, {}, "vae.deployment.num_gpus (0.5)"),
+    ("vae", {"parallel": {"patches": 8}}, {"gpus_per_node": 4}, "vae.parallel: a gang of 8 ranks with 1 GPU(s) each"),
+    ("vae", {"parallel": {"patches": 2}, "deployment": {"num_cpus": 0}}, {}, "vae.deployment.num_cpus"),
+])
+def test_a_gang_that_cannot_be_placed_is_refused_naming_the_field(stage, edits, top, field):
+    data = yaml.safe_load((PRESETS / "qwen_image.yaml").read_text())
+    for name, value in edits.items():
+        data[stage][name] = {**data[stage].get(name, {}), **value}
     data.update(top)
     with pytest.raises(ConfigError, match=re.escape(field)):
         parse_config(data)
-    data["dit"]["parallel"] = {}
+    data[stage]["parallel"] = {}
     parse_config(data)  # one rank: none of it applies
 
 

@@ -1,7 +1,8 @@
 """A DiT replica as a gang of two ranks (``dit.parallel``) on a real local Ray cluster: the app answers with
 diffusers' pixels; a rank killed under load fails its step, the replica ends and Serve replaces it and its gang
 while every request is retried and none is lost; rank actors die with their replica; a gang no node can hold is
-refused when the app is built."""
+refused when the app is built. A VAE replica as a gang of two ranks (``vae.parallel``) answers with the same
+pixels."""
 
 import concurrent.futures
 import time
@@ -20,14 +21,15 @@ from testing.serving import expected, png, post, within_one_level
 
 pytestmark = pytest.mark.serve
 
-GANG = {"ulysses": 2, "rank_num_cpus": 0.25, "timeout_s": 30}
+GANG = {"rank_num_cpus": 0.25, "timeout_s": 30}
+DEGREES = {"dit": {"ulysses": 2}, "vae": {"patches": 2}}  # two ranks
 
 
-def gang_preset(tiny_dir, **parallel) -> dict:
+def gang_preset(tiny_dir, stage: str = "dit", **parallel) -> dict:
     preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
     preset["model"] = str(tiny_dir)
     preset["encoder"]["runner"] = "transformers"  # starts in seconds; the encoder is not the subject here
-    preset["dit"]["parallel"] = {**GANG, **parallel}
+    preset[stage]["parallel"] = {**GANG, **DEGREES[stage], **parallel}
     return preset
 
 
@@ -76,6 +78,25 @@ def generate(served, seed: int, steps: int = 4) -> tuple[int, dict]:
     return post(served.base_url + "/v1/images/generations", body, timeout=300)
 
 
+def test_a_vae_gang_serves_the_pixels_of_one_rank(tiny_dir):
+    """``vae.parallel.patches: 2`` (the DiT on one rank), on a cluster of its own (this test comes before the
+    module's DiT gang starts): the official client's image is within one level of diffusers', as world size 1's is
+    (tests/test_serve.py; the patches decode itself is bit for bit world size 1's on the CPU,
+    tests/test_vae_parallel.py); the VAE replica's two ranks run as rank actors."""
+    import openai
+    from diffusers import QwenImagePipeline
+
+    with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=gang_preset(tiny_dir, "vae")) as local:
+        client = openai.OpenAI(base_url=local.base_url + "/v1", api_key="unused")
+        result = client.images.generate(model="qwen-image-tiny", prompt="a lighthouse", size="64x96",
+                                        response_format="b64_json",
+                                        extra_body={"seed": 5, "num_inference_steps": 2, "negative_prompt": "blurry"})
+        assert len(rank_pids()) == 2
+        assert "vae gang of 2 ranks started" in local.log()
+    reference = QwenImagePipeline.from_pretrained(tiny_dir)
+    assert within_one_level(png(result.data[0].b64_json), expected(reference, "a lighthouse", 5, 96, 64, 2, "blurry"))
+
+
 def test_the_gang_serves_diffusers_pixels(served, tiny_dir):
     import ray
     from diffusers import QwenImagePipeline
@@ -97,7 +118,8 @@ def test_the_gang_serves_diffusers_pixels(served, tiny_dir):
 
 def test_a_killed_rank_loses_no_request_and_serve_replaces_the_gang(served):
     """32 concurrent requests; rank 1 is killed after the first few finish. The step it ran fails, the replica ends
-    (``DiT._end_replica``), the request path issues every lost call again, Serve starts a new replica and gang."""
+    (``StageDeployment._end_replica``), the request path issues every lost call again, Serve starts a new replica
+    and gang."""
     import ray
 
     old_names, old_pids = rank_names(), rank_pids()
@@ -128,7 +150,7 @@ def test_a_killed_rank_loses_no_request_and_serve_replaces_the_gang(served):
     assert len(new_names) == 2
     assert wait_for(lambda: not (rank_pids() & old_pids) and len(rank_pids()) == 2, 30), (old_pids, rank_pids())
     log = served.log()
-    assert "DiT gang broken" in log and "ending this replica" in log and "issuing it again" in log
+    assert "dit gang broken" in log and "ending this replica" in log and "issuing it again" in log
     retries = [line for line in log.splitlines() if "issuing it again" in line]
     print(f"\n32 requests with a rank killed after {killed_after[0]}: {elapsed:.1f} s, {len(retries)} calls issued "
           f"again, {sum('retry 2' in line for line in retries)} of them twice")

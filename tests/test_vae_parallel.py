@@ -1,5 +1,6 @@
 """The VAE decode split by latent rows: in bands on one device (``vae.tiling``) and over a gang of ranks
-(``decode_patches``), each band with the rows of context its convolutions reach, against the whole-frame decode.
+(``decode_patches``; ``vae.parallel`` under the VAE's engine core), each band with the rows of context its
+convolutions reach, against the whole-frame decode.
 
 Measured on the CPU (float32): the banded and the gathered pixels equal the whole-frame decode's bit for bit, on the
 tiny VAE and on Qwen-Image's full-size architecture with random weights. The tests allow 1e-5 (float rounding, should
@@ -7,18 +8,25 @@ another machine's kernels pick other algorithms for other shapes). The receptive
 tiny VAE one row less of context than the halo moves pixels by about 1e-6, two rows 1e-4, three 1e-3.
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
+import yaml
+from conftest import REPO
 from diffusers import AutoencoderKLQwenImage
 
-from omni_ray.config import ParallelSettings
-from omni_ray.records import Latents
+from omni_ray.config import ParallelSettings, parse_config
+from omni_ray.engine.builders import build_vae_core
+from omni_ray.engine.executor import GangRunner
+from omni_ray.records import DecodeRequest, ImageEncodeRequest, Latents
 from omni_ray.runners.packing import pack_latents
 from omni_ray.runners.parallel.vae_patches import decode_patches
 from omni_ray.runners.random_weights import random_model
 from omni_ray.runners.vae import VaeRunner
 from omni_ray.runners.vae_frame import FrameDecoder
+from testing.engines import run_to_completion
 from testing.gang import run_gang
 
 TOLERANCE = 1e-5
@@ -102,3 +110,50 @@ def test_patches_over_two_ranks_gather_the_single_process_decode(tiny_dir, tiny_
             assert (pixels - whole).abs().max().item() <= TOLERANCE
             # one all-gather of this rank's pixel rows, padded to the longer band: (n - 1) x [B, 3, 8 ceil(h/n), 8 w]
             assert sent == (ranks - 1) * batch * 3 * (8 * -(-rows // ranks)) * (8 * cols) * 4
+
+
+def _requests() -> list:
+    """Two 64x64 decodes sharing a VAE call (one asking for its latents too), a 48x80 one, and an edit's image."""
+    generator = torch.Generator().manual_seed(3)
+    latents = [Latents(pack_latents(torch.randn(1, 1, 16, h // 8, w // 8, generator=generator))[0], h, w)
+               for h, w in ((64, 64), (64, 64), (48, 80))]
+    image = np.random.default_rng(4).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    return [DecodeRequest("a", latents[0]), DecodeRequest("b", latents[1], "both"), DecodeRequest("wide", latents[2]),
+            ImageEncodeRequest("image", image)]
+
+
+def _comm_of(runner: VaeRunner) -> tuple[int, int, int]:
+    return runner.comm.rank, runner.comm.size, runner.comm.sent["all_gather"]
+
+
+def test_the_vae_core_on_a_gang_of_two_decodes_one_rank_s_pixels(tiny_dir):
+    """``vae.parallel.patches: 2`` on spawned gloo ranks (``MultiprocExecutor``): the engine core's uint8 pixels are
+    world size 1's, and an edit's image (encoded on rank 0 alone) the same latents."""
+    preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
+    preset["model"] = str(tiny_dir)
+    results = {}
+    for patches in (1, 2):
+        preset["vae"]["parallel"] = {"patches": patches, "timeout_s": 60}
+        started = time.monotonic()
+        core = build_vae_core(parse_config(preset))
+        assert isinstance(core.runner, GangRunner) == (patches > 1)
+        try:
+            for request in _requests():
+                core.add_request(request)
+            results[patches], _ = run_to_completion(core)
+            if patches > 1:  # every rank decoded its band and gathered the others'
+                ranks = core.runner.executor.collective_rpc(_comm_of)
+                assert [(rank, size) for rank, size, _ in ranks] == [(0, 2), (1, 2)]
+                assert all(sent > 0 for _, _, sent in ranks)
+        finally:
+            core.shutdown()
+        print(f"patches {patches}: {time.monotonic() - started:.1f} s")
+    alone, gang = results[1], results[2]
+    assert sorted(gang) == sorted(alone) == ["a", "b", "image", "wide"]
+    for request_id in ("a", "b", "wide"):
+        pixels = alone[request_id].pixels
+        assert pixels.dtype == np.uint8 and pixels.std() > 10
+        assert np.array_equal(gang[request_id].pixels, pixels)
+    assert gang["wide"].pixels.shape == (48, 80, 3)
+    assert torch.equal(gang["b"].latents.latents, alone["b"].latents.latents)
+    assert torch.equal(gang["image"].latents, alone["image"].latents)

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 
 import torch
 
-from omni_ray.config import DiTConfig, PipelineConfig
-from omni_ray.engine.core import DiTEngineCore, EngineCore
+from omni_ray.config import DiTConfig, PipelineConfig, VAEConfig
+from omni_ray.engine.core import DiTEngineCore, EngineCore, ModelRunner
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.encoder_core import EncoderEngineCore
-from omni_ray.engine.executor import Executor, GangRunner, MultiprocExecutor, RunnerFactory, gang_backend
+from omni_ray.engine.executor import (
+    Executor,
+    ExecutorFactory,
+    GangRunner,
+    MultiprocExecutor,
+    RunnerFactory,
+    gang_backend,
+)
 from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.runners.denoise import DenoiseRunner
@@ -63,22 +69,25 @@ def create_policy(stage: DiTConfig) -> SchedulingPolicy:
     return PriorityPolicy(stage.max_batch_tokens, stage.max_paused, stage.priority_aging_s)
 
 
-ExecutorFactory = Callable[[RunnerFactory], Executor]  # a gang's executor, given how each rank builds its runner
-
-
 def build_dit_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None) -> DiTEngineCore:
-    """The DiT's core. At world size 1 (``dit.parallel``) its runner is built in this process; above it, on every
-    rank of a gang through ``executor_factory`` (the Serve deployment hands in its Ray executor; unset, a
-    ``MultiprocExecutor`` of processes on this machine), behind a ``GangRunner``."""
+    """The DiT's core, its runner on ``dit.parallel``'s ranks (``stage_runner``)."""
     stage = config.dit
     scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, create_policy(stage))
+    return DiTEngineCore(scheduler, stage_runner(stage, functools.partial(build_dit_runner, config), executor_factory))
+
+
+def stage_runner(stage: DiTConfig | VAEConfig, make_runner: RunnerFactory,
+                 executor_factory: ExecutorFactory | None = None) -> ModelRunner:
+    """A stage's runner. At world size 1 (``stage.parallel``) built in this process; above it, on every rank of a
+    gang through ``executor_factory`` (the Serve deployment hands in its Ray executor; unset, a
+    ``MultiprocExecutor`` of processes on this machine), behind a ``GangRunner``."""
     if stage.parallel.world_size == 1:
-        return DiTEngineCore(scheduler, build_dit_runner(config))
+        return make_runner(None)
     start_gang = executor_factory or functools.partial(local_gang, stage)
-    return DiTEngineCore(scheduler, GangRunner(start_gang(functools.partial(build_dit_runner, config))))
+    return GangRunner(start_gang(make_runner))
 
 
-def local_gang(stage: DiTConfig, make_runner: RunnerFactory) -> Executor:
+def local_gang(stage: DiTConfig | VAEConfig, make_runner: RunnerFactory) -> Executor:
     """A gang of processes on this machine, one per rank."""
     return MultiprocExecutor(make_runner, stage.parallel, gang_backend(stage.device))
 
@@ -99,11 +108,17 @@ def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None) -> Denois
     return runner
 
 
-def build_vae_core(config: PipelineConfig) -> EngineCore:
+def build_vae_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None) -> EngineCore:
+    """The VAE's core, its runner on ``vae.parallel``'s ranks (``stage_runner``)."""
+    stage = config.vae
+    runner = stage_runner(stage, functools.partial(build_vae_runner, config), executor_factory)
+    return EngineCore(VaeScheduler(stage.max_batch_size), runner)
+
+
+def build_vae_runner(config: PipelineConfig, mesh: Mesh | None = None) -> VaeRunner | SimulatedVae:
+    """One rank's VAE runner (``mesh`` None: the replica's only one); picklable with its config."""
     stage = config.vae
     if stage.runner == "simulated":
-        runner = SimulatedVae(getattr(torch, stage.dtype))
-    else:
-        runner = VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device,
-                                dummy=config.weights == "dummy", tiling=stage.tiling)
-    return EngineCore(VaeScheduler(stage.max_batch_size), runner)
+        return SimulatedVae(getattr(torch, stage.dtype))
+    return VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device, dummy=config.weights == "dummy",
+                          tiling=stage.tiling, mesh=mesh)

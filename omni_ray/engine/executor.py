@@ -1,7 +1,8 @@
-"""Executors: where the DiT's model runner runs, on one rank or on a gang of them (after vLLM V1's executors).
+"""Executors: where a stage's model runner runs, on one rank or on a gang of them (after vLLM V1's executors): the
+DiT's (``dit.parallel``) and the VAE's (``vae.parallel``).
 
 An executor runs the same call on every rank's runner, in the same order everywhere (``collective_rpc``), so the
-scheduler in the replica decides once and every rank receives the same ``DenoiseBatch``; rank 0 returns the output.
+scheduler in the replica decides once and every rank receives the same batch; rank 0 returns the output.
 ``UniProcExecutor`` is world size 1, the runner in the caller's process. ``MultiprocExecutor`` spawns one process per
 rank on this machine (the in-process pipeline, tests); ``deployments.gang.RayExecutor`` runs one Ray actor per rank in
 the Serve replica's placement group. Each rank is a ``GangWorker``: it joins the gang's mesh (``Mesh.init``) and
@@ -28,14 +29,14 @@ from collections.abc import Callable
 from multiprocessing import connection, get_context
 from typing import Any, NoReturn
 
-from omni_ray.config import ParallelSettings
+from omni_ray.config import GangSettings
 from omni_ray.errors import GangError
-from omni_ray.records import DenoiseBatch, DenoiseOutput, LoraKey
+from omni_ray.records import DenoiseBatch, DenoiseOutput, LoraKey, VaeBatch, VaeOutput
 from omni_ray.runners.parallel.mesh import Mesh
 
 logger = logging.getLogger(__name__)
 
-RunnerFactory = Callable[[Mesh], Any]  # picklable: builds one rank's runner on its mesh
+RunnerFactory = Callable[[Mesh | None], Any]  # picklable: one rank's runner on its mesh (None: world size 1)
 Method = str | Callable[..., Any]  # a runner's method name, or a picklable function called with the runner first
 Outcome = tuple[bool, Any]  # (returned, its value) or (raised, the exception)
 
@@ -70,6 +71,9 @@ class Executor(ABC):
         """Stops every rank; idempotent."""
 
 
+ExecutorFactory = Callable[[RunnerFactory], Executor]  # a gang's executor, given how each rank builds its runner
+
+
 class UniProcExecutor(Executor):
     """World size 1: the runner in this process."""
 
@@ -85,7 +89,7 @@ class GangWorker:
     """One rank: joins the gang's mesh, builds its runner on it, and runs the calls its executor sends. It lives in a
     spawned process (``MultiprocExecutor``) or in a Ray actor (``deployments.gang.RankWorker``)."""
 
-    def __init__(self, make_runner: RunnerFactory, settings: ParallelSettings, rank: int, init_method: str,
+    def __init__(self, make_runner: RunnerFactory, settings: GangSettings, rank: int, init_method: str,
                  backend: str):
         self.rank = rank
         self.mesh = Mesh.init(settings, rank, init_method, backend)
@@ -124,7 +128,7 @@ class MultiprocExecutor(Executor):
     over a pipe (pickled calls in, pickled outcomes back) and joined to the others over ``backend`` through a
     ``file://`` rendezvous. On CUDA, rank r sees only the r-th visible GPU."""
 
-    def __init__(self, make_runner: RunnerFactory, settings: ParallelSettings, backend: str = "gloo",
+    def __init__(self, make_runner: RunnerFactory, settings: GangSettings, backend: str = "gloo",
                  start_timeout_s: float | None = None):
         self.world_size = settings.world_size
         self.timeout_s = settings.timeout_s
@@ -200,7 +204,7 @@ class MultiprocExecutor(Executor):
     def _fail(self, reason: str) -> NoReturn:
         """Marks the gang broken, stops its processes (some may wait in a collective for the lost one) and raises."""
         self.failure = self.failure or reason
-        logger.error("DiT gang broken: %s", reason)
+        logger.error("gang broken: %s", reason)
         self._stop(graceful=False)
         raise GangError(reason)
 
@@ -233,7 +237,7 @@ class MultiprocExecutor(Executor):
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def _rank_main(conn, make_runner: RunnerFactory, settings: ParallelSettings, rank: int, init_method: str,
+def _rank_main(conn, make_runner: RunnerFactory, settings: GangSettings, rank: int, init_method: str,
                backend: str, device: str | None) -> None:
     """A ``MultiprocExecutor`` rank: builds its ``GangWorker``, then runs the calls that come down its pipe until
     the executor says stop (None) or goes away (the pipe's end closes)."""
@@ -279,19 +283,19 @@ def _dumps(outcome: Outcome) -> bytes:
 
 
 def _runner_facts(runner: Any) -> tuple[dict[str, tuple[int, int]], float | None]:
-    return dict(runner.lora_shapes), getattr(runner, "warmup_s", None)
+    return dict(getattr(runner, "lora_shapes", {})), getattr(runner, "warmup_s", None)
 
 
 class GangRunner:
-    """The model runner ``DiTEngineCore`` drives, over an executor: each step's batch goes to every rank and rank
-    0's output comes back; adapters are added to and removed from every rank; what the core reads of its runner
-    (``lora_shapes``, ``warmup_s``) is rank 0's, read once when the gang has started."""
+    """The model runner an engine core drives (the DiT's or the VAE's), over an executor: each step's batch goes to
+    every rank and rank 0's output comes back; a DiT's adapters are added to and removed from every rank; what the
+    core reads of its runner (``lora_shapes``, ``warmup_s``) is rank 0's, read once when the gang has started."""
 
     def __init__(self, executor: Executor):
         self.executor = executor
         self.lora_shapes, self.warmup_s = executor.collective_rpc(_runner_facts, unique_reply_rank=0)[0]
 
-    def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
+    def execute_model(self, batch: DenoiseBatch | VaeBatch) -> DenoiseOutput | VaeOutput:
         return self.executor.collective_rpc("execute_model", (batch,), unique_reply_rank=0)[0]
 
     def add_lora(self, key: LoraKey, layers: dict) -> None:

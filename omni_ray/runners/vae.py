@@ -13,6 +13,10 @@ layout cuDNN's fastest convolutions take, with its autotuner on.
 With ``tiling``, the decoder's up path runs on bands of ``TILE_ROWS`` latent rows one after another, each with the
 rows of context its convolutions reach (``FrameDecoder.decode_rows``): the same pixels as the whole-frame decode, in
 a fraction of its activation memory, for large frames on small cards.
+
+On a gang's rank (``vae.parallel``, ``mesh`` given), decoding splits the frame's latent rows over the gang's ranks
+(``decode_patches``: the same pixels, each rank holding its band's activations, every rank ending with the whole
+image); encoding, which has no collective, runs on rank 0 alone, whose output the engine reads.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from omni_ray.qwen_image import SIZE_MULTIPLE, VAE_COMPRESSION
 from omni_ray.records import Decoded, ImageEncodeRequest, Latents, VaeBatch, VaeOutput, VaeRequest
 from omni_ray.runners.host import to_host
 from omni_ray.runners.packing import pack_latents, unpack_latents
+from omni_ray.runners.parallel.mesh import Mesh
+from omni_ray.runners.parallel.vae_patches import decode_patches
 from omni_ray.runners.random_weights import random_model
 from omni_ray.runners.vae_frame import FrameDecoder, FrameEncoder
 
@@ -41,13 +47,15 @@ TILE_ROWS = 32
 
 
 class VaeRunner:
-    """Holds the VAE; decodes batches of same-size latents and encodes batches of same-size images."""
+    """Holds the VAE; decodes batches of same-size latents and encodes batches of same-size images (on one rank of
+    a gang: ``mesh``)."""
 
-    def __init__(self, vae: AutoencoderKLQwenImage, tiling: bool = False):
+    def __init__(self, vae: AutoencoderKLQwenImage, tiling: bool = False, mesh: Mesh | None = None):
         if 2 ** len(vae.temperal_downsample) != VAE_COMPRESSION:
             raise ValueError(f"not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
         self.device, self.dtype = vae.device, vae.dtype
         self.band_rows = TILE_ROWS if tiling else None
+        self.comm = (mesh or Mesh.single()).world  # the ranks a decode's rows are split over
         self.decoder = FrameDecoder(vae).eval().to(memory_format=torch.channels_last)
         self.encoder = FrameEncoder(vae).eval().to(memory_format=torch.channels_last)
         if self.device.type == "cuda":
@@ -59,13 +67,14 @@ class VaeRunner:
 
     @classmethod
     def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu", dummy: bool = False,
-             tiling: bool = False) -> VaeRunner:
-        """The runner of a checkpoint's ``vae/``; with ``dummy``, built from its config with random weights."""
+             tiling: bool = False, mesh: Mesh | None = None) -> VaeRunner:
+        """The runner of a checkpoint's ``vae/``; with ``dummy``, built from its config with random weights (drawn
+        from a fixed seed: every rank of a gang holds the same)."""
         if dummy:
             config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
-            return cls(random_model(AutoencoderKLQwenImage, config, dtype, device), tiling)
+            return cls(random_model(AutoencoderKLQwenImage, config, dtype, device), tiling, mesh)
         vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device)
-        return cls(vae, tiling)
+        return cls(vae, tiling, mesh)
 
     def execute_model(self, batch: VaeBatch) -> VaeOutput:
         """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
@@ -85,8 +94,11 @@ class VaeRunner:
         return output
 
     def _run(self, requests: list[VaeRequest]) -> dict[str, Decoded | Latents]:
-        """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE."""
+        """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE. A gang's
+        ranks but rank 0 skip encoding (their outputs are not read)."""
         if isinstance(requests[0], ImageEncodeRequest):
+            if self.comm.rank != 0:
+                return {}
             encoded = self.encode([r.image for r in requests], [r.seed for r in requests])
             return dict(zip((r.request_id for r in requests), encoded))
         to_decode = [request for request in requests if request.output != "latents"]
@@ -114,7 +126,7 @@ class VaeRunner:
         latents = unpack_latents(packed, height, width)[:, :, 0].to(self.dtype)  # one frame: [B, z_dim, h, w]
         mean, inverse_std = self.latents_mean.to(self.dtype), 1.0 / self.latents_std.to(self.dtype)
         latents = (latents / inverse_std + mean).contiguous(memory_format=torch.channels_last)
-        image = self.decoder(latents, self.band_rows)
+        image = decode_patches(self.decoder, latents, self.comm, self.band_rows)
         # VaeImageProcessor.postprocess(output_type="pil")'s arithmetic, on the device: denormalise in the VAE's
         # dtype, then float32, scale and round (half to even, as numpy rounds).
         image = self.image_processor.denormalize(image).permute(0, 2, 3, 1).float()

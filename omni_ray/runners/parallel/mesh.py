@@ -1,11 +1,12 @@
-"""A rank's place in a DiT gang: its coordinate on each parallel dimension, the process groups of each, and the
+"""A rank's place in a gang: its coordinate on each parallel dimension, the process groups of each, and the
 collectives the runner calls (each counting the bytes it sends, for ``benchmarks.parallel``).
 
 Rank layout, innermost first: tensor, ulysses, ring, cfg, so ``rank = ((c * ring + r) * ulysses + u) * tensor + t``.
 Tensor ranks are neighbours (the most traffic, an all-reduce per sub-block, on the closest links); a row's sequence
 shard is ``r * ulysses + u``, so the sequence group gathers its shards in order. Every rank creates every group, in
 the same order (``torch.distributed.new_group`` is collective); a group of one rank is None and its collectives are
-no-ops, so the runner's code reads the same at world size 1.
+no-ops, so the runner's code reads the same at world size 1. A VAE gang (``vae.parallel``) has none of the DiT's
+dimensions (each of degree 1): its ranks are ``world`` alone.
 
 Bytes sent by one rank, as each collective is counted: all-gather ``(n - 1) x`` its input, all-to-all
 ``(n - 1) / n x`` its input, all-reduce ``2 (n - 1) / n x`` its tensor (a ring all-reduce), send its tensor.
@@ -21,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from omni_ray.config import ParallelSettings
+from omni_ray.config import GangSettings, ParallelSettings
 
 DIMENSIONS = ("cfg", "ring", "ulysses", "tensor")  # outermost first
 
@@ -89,23 +90,24 @@ class Mesh:
     ``sequence`` (ring x ulysses: the ranks one row's tokens are split over, shard ``r * ulysses + u``), ``rows``
     (cfg x sequence: the ranks a step's rows spread over when it runs them whole) and ``world``."""
 
-    def __init__(self, settings: ParallelSettings, rank: int, groups: dict[str, dist.ProcessGroup | None]):
+    def __init__(self, settings: GangSettings, rank: int, groups: dict[str, dist.ProcessGroup | None]):
         self.settings, self.rank = settings, rank
         degrees = self.degrees(settings)
         coords, rest = {}, rank
         for name in reversed(DIMENSIONS):
             coords[name], rest = rest % degrees[name], rest // degrees[name]
         self.coords = coords
-        sizes = {**degrees, "sequence": settings.sequence, "rows": settings.cfg * settings.sequence,
-                 "world": settings.world_size}
-        coords["sequence"] = coords["ring"] * settings.ulysses + coords["ulysses"]
-        coords["rows"] = coords["cfg"] * settings.sequence + coords["sequence"]
+        sequence = degrees["ring"] * degrees["ulysses"]
+        sizes = {**degrees, "sequence": sequence, "rows": degrees["cfg"] * sequence, "world": settings.world_size}
+        coords["sequence"] = coords["ring"] * degrees["ulysses"] + coords["ulysses"]
+        coords["rows"] = coords["cfg"] * sequence + coords["sequence"]
         coords["world"] = rank
         self.comms = {name: Comm(groups.get(name), sizes[name], coords[name]) for name in sizes}
 
     @staticmethod
-    def degrees(settings: ParallelSettings) -> dict[str, int]:
-        return {name: getattr(settings, name) for name in DIMENSIONS}
+    def degrees(settings: GangSettings) -> dict[str, int]:
+        """Each DiT dimension's degree; 1 for the dimensions ``settings`` has not (a VAE gang's)."""
+        return {name: getattr(settings, name, 1) for name in DIMENSIONS}
 
     @classmethod
     def single(cls) -> Mesh:
@@ -113,7 +115,7 @@ class Mesh:
         return cls(ParallelSettings(), 0, {})
 
     @classmethod
-    def init(cls, settings: ParallelSettings, rank: int, init_method: str, backend: str = "gloo") -> Mesh:
+    def init(cls, settings: GangSettings, rank: int, init_method: str, backend: str = "gloo") -> Mesh:
         """Joins the gang's process group (``init_method``: a ``tcp://host:port`` or ``file://`` rendezvous; NCCL
         on CUDA, gloo on the CPU) and creates every dimension's groups, collectives timing out after
         ``settings.timeout_s``."""
@@ -129,7 +131,7 @@ class Mesh:
         return cls(settings, rank, groups)
 
     @classmethod
-    def group_members(cls, settings: ParallelSettings) -> dict[str, list[list[int]]]:
+    def group_members(cls, settings: GangSettings) -> dict[str, list[list[int]]]:
         """Each dimension's groups (and ``sequence``'s, ``world``'s) as lists of global ranks, in group rank
         order."""
         degrees = cls.degrees(settings)
