@@ -98,14 +98,21 @@ def test_a_vae_gang_serves_the_pixels_of_one_rank(tiny_dir):
 
 
 def test_the_gang_serves_diffusers_pixels(served, tiny_dir):
+    """The official client's images from the Ulysses gang, with and without true CFG, within one level of
+    diffusers' (as world size 1's are, tests/test_serve.py)."""
+    import openai
     import ray
     from diffusers import QwenImagePipeline
 
-    status, response = generate(served, seed=3, steps=3)
-    assert status == 200, response
+    client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused")
     reference = QwenImagePipeline.from_pretrained(tiny_dir)
-    assert within_one_level(png(response["data"][0]["b64_json"]),
-                            expected(reference, "a lighthouse, variation 3", 3, 64, 64, 3, "blurry"))
+    for negative in ("blurry", None):
+        result = client.images.generate(model="qwen-image-tiny", prompt="a lighthouse", size="64x64",
+                                        response_format="b64_json", extra_body={
+                                            "seed": 3, "num_inference_steps": 3,
+                                            **({"negative_prompt": negative} if negative else {})})
+        assert within_one_level(png(result.data[0].b64_json),
+                                expected(reference, "a lighthouse", 3, 64, 64, 3, negative)), negative
     names = rank_names()
     assert [name.rsplit(":", 1)[1] for name in names] == ["rank0", "rank1"] and len(rank_pids()) == 2
     for pid in rank_pids():  # the replica's runtime environment reaches its ranks: the preset's threads
