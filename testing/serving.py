@@ -90,7 +90,7 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
 
 def total(samples: dict, name: str, **labels) -> float:
     wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    return sum(v for (n, l), v in samples.items() if n == name and all(w in l for w in wanted))
+    return sum(v for (n, found), v in samples.items() if n == name and all(w in found for w in wanted))
 
 
 def file_bytes(image: Image.Image, format: str = "PNG") -> bytes:

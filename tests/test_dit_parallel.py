@@ -38,7 +38,7 @@ def one_rank(tiny_dir, adapters) -> dict[str, torch.Tensor]:
     return denoise_mix(None, str(tiny_dir), adapters)[0]
 
 
-GANGS = {
+GANGS = {  # name: (the gang, the steps' split, compiled blocks)
     "cfg2": (ParallelSettings(cfg=2), "sequence"),
     "ulysses2": (ParallelSettings(ulysses=2), "sequence"),
     "ring2": (ParallelSettings(ring=2), "sequence"),
@@ -46,13 +46,14 @@ GANGS = {
     "tensor2": (ParallelSettings(tensor=2), "sequence"),
     "ulysses2xcfg2": (ParallelSettings(ulysses=2, cfg=2), "sequence"),
     "tensor2xcfg2": (ParallelSettings(tensor=2, cfg=2), "sequence"),
+    "ulysses2-compiled": (ParallelSettings(ulysses=2), "sequence", True),
 }
 
 
 @pytest.mark.parametrize("gang", GANGS)
 def test_a_gang_denoises_what_one_rank_does(gang, tiny_dir, adapters, one_rank):
-    settings, split = GANGS[gang]
-    results = run_gang(denoise_mix, settings, str(tiny_dir), adapters, 4, split)
+    settings, split, *compiled = GANGS[gang]
+    results = run_gang(denoise_mix, settings, str(tiny_dir), adapters, 4, split, *compiled)
     for rank, (latents, _) in enumerate(results):
         assert latents.keys() == one_rank.keys()
         for rid, expected in one_rank.items():

@@ -27,6 +27,9 @@ class SequenceParallelAttention:
         self.ulysses: Comm = mesh.ulysses
         self.ring: Comm = mesh.ring
 
+    # Eager between compiled regions (``dit.compile``): traced by Dynamo, the gang's collectives hand attention an
+    # int64 key mask, which it refuses (seen with torch 2.13); the blocks' other operations stay compiled.
+    @torch.compiler.disable
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
         heads = query.shape[1]
