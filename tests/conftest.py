@@ -35,6 +35,16 @@ def edit_plus_dir(tmp_path_factory) -> pathlib.Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_dir, tmp_path_factory) -> dict[str, str]:
+    """Two LoRA adapters of the tiny checkpoint, by name, of different ranks (the parallel tests)."""
+    from testing.lora_files import make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {"A": str(make_adapter(tiny_dir, root / "A", rank=4, alpha=8, seed=1)),
+            "B": str(make_adapter(tiny_dir, root / "B", rank=8, seed=2))}
+
+
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
     """The tiny checkpoint's DiT runner, one per test module (the engine and cache tests)."""

@@ -27,15 +27,8 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {"A": str(make_adapter(tiny_dir, root / "A", rank=4, alpha=8, seed=1)),
-            "B": str(make_adapter(tiny_dir, root / "B", rank=8, seed=2))}
-
-
-@pytest.fixture(scope="module")
-def one_rank(tiny_dir, adapters) -> dict[str, torch.Tensor]:
-    return denoise_mix(None, str(tiny_dir), adapters)[0]
+def one_rank(tiny_dir, tiny_adapters) -> dict[str, torch.Tensor]:
+    return denoise_mix(None, str(tiny_dir), tiny_adapters)[0]
 
 
 GANGS = {  # name: (the gang, the steps' split, compiled blocks)
@@ -51,9 +44,9 @@ GANGS = {  # name: (the gang, the steps' split, compiled blocks)
 
 
 @pytest.mark.parametrize("gang", GANGS)
-def test_a_gang_denoises_what_one_rank_does(gang, tiny_dir, adapters, one_rank):
+def test_a_gang_denoises_what_one_rank_does(gang, tiny_dir, tiny_adapters, one_rank):
     settings, split, *compiled = GANGS[gang]
-    results = run_gang(denoise_mix, settings, str(tiny_dir), adapters, 4, split, *compiled)
+    results = run_gang(denoise_mix, settings, str(tiny_dir), tiny_adapters, 4, split, *compiled)
     for rank, (latents, _) in enumerate(results):
         assert latents.keys() == one_rank.keys()
         for rid, expected in one_rank.items():

@@ -31,7 +31,6 @@ from omni_ray.engine.core import DiTEngineCore
 from omni_ray.engine.executor import GangRunner
 from omni_ray.records import DenoiseParams, DenoiseRequest, Inpaint, Latents, LoraRef, PromptEmbeds
 from omni_ray.runners.lora import read_lora
-from testing.lora_files import make_adapter
 from testing.ranks import holdings
 
 TOLERANCE = 1e-4
@@ -164,15 +163,8 @@ def play_on(tiny_dir, adapters: dict[str, str], **parallel) -> Played:
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {"A": str(make_adapter(tiny_dir, root / "A", rank=4, alpha=8, seed=1)),
-            "B": str(make_adapter(tiny_dir, root / "B", rank=8, seed=2))}
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_dir, adapters) -> Played:
-    played = play_on(tiny_dir, adapters)
+def alone(tiny_dir, tiny_adapters) -> Played:
+    played = play_on(tiny_dir, tiny_adapters)
     # The scenario does what it claims: preemption, abort, previews, adapters, every request but the aborted one done.
     assert [sorted(rid for rid, *_ in step) for step in played.events] == EXPECTED_STEPS
     assert played.num_paused_steps > 0
@@ -181,15 +173,15 @@ def alone(tiny_dir, adapters) -> Played:
     assert all(played.passes[rid]["reused"] > 0 for rid in ("late", "slow", "urgent"))  # the caches did reuse
     assert (played.latents["slow"] - played.latents["styled"]).abs().max() > 0.1  # results differ
     assert played.held == {"after the abort": [(["mask", "slow", "urgent"], [])],
-                           "adapter in use": [(["late", "slow", "styled"], [("A", adapters["A"])])],
+                           "adapter in use": [(["late", "slow", "styled"], [("A", tiny_adapters["A"])])],
                            "adapter removed": [(["late"], [])], "at the end": [([], [])]}
     return played
 
 
 @pytest.mark.parametrize("parallel", [{"ulysses": 2}, {"ulysses": 2, "cfg": 2}], ids=["ulysses2", "ulysses2xcfg2"])
-def test_a_gang_runs_the_whole_engine_as_one_rank_does(tiny_dir, adapters, alone, parallel, monkeypatch):
+def test_a_gang_runs_the_whole_engine_as_one_rank_does(tiny_dir, tiny_adapters, alone, parallel, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one torch thread per spawned rank: more threads than cores crawl
-    gang = play_on(tiny_dir, adapters, **parallel)
+    gang = play_on(tiny_dir, tiny_adapters, **parallel)
     world = parallel.get("ulysses", 1) * parallel.get("cfg", 1)
     assert gang.events == alone.events  # the same steps, progress, previews and finish order
     assert gang.passes == alone.passes  # the caches decided alike
