@@ -11,7 +11,7 @@ from deployments import metrics
 from deployments.stage import StageDeployment
 from deployments.stages import Upstream, write_step_stream
 from omni_ray.config import LoraEntry, PipelineConfig
-from omni_ray.engine.builders import build_dit_core, create_policy
+from omni_ray.engine.builders import build_dit_core, create_policy, create_split
 from omni_ray.engine.dit_load import DiTLoad
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.stats import EngineStats
@@ -33,7 +33,7 @@ class DiT(StageDeployment):
         super().__init__(lambda: build_dit_core(config, self.gang_factory(config.dit)))
         policy = create_policy(config.dit)  # what the scheduler's steps take: the load counts work the same way
         self.load = DiTLoad(lambda: self.engine.stats.core.step_fit, config.dit.max_batch_size,
-                            policy.max_batch_tokens, policy.by_priority)
+                            policy.max_batch_tokens, policy.by_priority, create_split(config.dit))
         self.loras = LoraResidency.from_config(
             self.engine, config, on_load=lambda name: metrics.lora_loads.inc(tags={**self.tags, "adapter": name}))
 
@@ -63,7 +63,7 @@ class DiT(StageDeployment):
         timings = upstream_timings(encoded, *image_latents, *([start_latents] if start_latents is not None else []))
         if params.lora is not None:
             await self._route(params.lora.name)
-        self.load.add(request_id, params.priority, request.work_tokens, params.steps_run)
+        self.load.add(request_id, params.priority, request.work_tokens, params.steps_run, 2 if params.true_cfg else 1)
         try:
             with self._lost_with_gang(StageCall.DENOISE):
                 async with self.loras.use(params.lora):
@@ -75,10 +75,10 @@ class DiT(StageDeployment):
         finally:
             self.load.remove(request_id)
 
-    async def estimate(self, priority: int, tokens: int, steps: int, images: int) -> float:
-        """Seconds until ``images`` new images of ``tokens`` work tokens and ``steps`` steps at ``priority`` would
-        be done on this replica (``DiTLoad.estimate``)."""
-        return self.load.estimate(priority, tokens, steps, images)
+    async def estimate(self, priority: int, tokens: int, steps: int, images: int, passes: int = 1) -> float:
+        """Seconds until ``images`` new images of ``tokens`` work tokens in ``passes`` passes (2 with true CFG) and
+        ``steps`` steps at ``priority`` would be done on this replica (``DiTLoad.estimate``)."""
+        return self.load.estimate(priority, tokens, steps, images, passes)
 
     def record_routing_stats(self) -> dict:
         """Serve's router reads it (``deployments.routing.LeastWorkRouter``): the replica's work in cost-seconds, a

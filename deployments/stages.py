@@ -89,7 +89,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         ``serve.routing``); None when no replica answers within ``timeout_s`` (none is running, say): the request
         is then admitted and waits as any other."""
         response = self.dit_calls.estimate.remote(plan.request.priority, plan.work_tokens, plan.steps_run,
-                                                  plan.request.n)
+                                                  plan.request.n, 2 if plan.true_cfg else 1)
         try:
             return await asyncio.wait_for(_awaited(response), timeout_s)
         except Exception as err:

@@ -234,6 +234,21 @@ class ParallelSettings(GangSettings):
         1, description="Tensor parallelism: attention heads and MLP columns sharded over this many ranks, one "
         "all-reduce per sub-block; each rank holds 1/tensor of the blocks' weights and of each adapter's.",
     )
+    split: Literal["sequence", "rows", "per_step"] = Field(
+        "sequence", description="How each step uses the gang when it has sequence ranks (ulysses x ring > 1). "
+        "sequence: every pass's tokens split over the sequence ranks (each row at the lowest latency). rows: the "
+        "step's passes dealt over the cfg x sequence ranks, each run whole (the most throughput, no all-to-alls; an "
+        "urgent request alone runs at one GPU's speed), each rank within its share of max_batch_tokens. per_step: "
+        "the scheduler chooses each step, rows when they load every rank evenly and slow no request of priority 0 "
+        "or more urgent, sequence otherwise (omni_ray/engine/dit_split.py). A step holding a request with cache "
+        "acceleration runs sequence.",
+    )
+
+    @model_validator(mode="after")
+    def _check_split(self) -> ParallelSettings:
+        if self.split != "sequence" and self.sequence == 1:
+            raise ValueError(f"split: {self.split} needs sequence ranks to spread rows over (ulysses x ring > 1)")
+        return self
 
     @property
     def world_size(self) -> int:
@@ -281,7 +296,8 @@ class DiTConfig(_StageConfig):
         None,
         description="Work one step may take: image plus text tokens of every row, doubled with true CFG (an edit's "
         "input image tokens included); a step's first row always runs. Unset, rows are bounded by max_batch_size "
-        "alone. Small images then batch deeply and large ones run one or two at a time.",
+        "alone. Small images then batch deeply and large ones run one or two at a time. A gang's rows step keeps each "
+        "rank within its share (parallel.split).",
     )
     max_paused: NonNegativeInt = Field(
         32, description="Admitted requests that may sit paused outside a step at once (their latents stay in "
@@ -325,6 +341,14 @@ class DiTConfig(_StageConfig):
         "8.9 or more (L4, L40S, H100, H200), dtype bfloat16 and torchao (`pip install -e .[fp8]`). Off by default: "
         "its effect on image quality with real weights is not measured here.",
     )
+
+
+    @model_validator(mode="after")
+    def _check_simulated_gang(self) -> DiTConfig:
+        if self.runner == "simulated" and (self.parallel.cfg > 1 or self.parallel.tensor > 1):
+            raise ValueError("parallel: the simulated runner models sequence ranks (ulysses, ring) only; cfg and "
+                             "tensor must be 1")
+        return self
 
 
 class VAEConfig(_StageConfig):

@@ -17,8 +17,9 @@ The largest image is ``requests.max_side`` squared. These are estimates, not gua
 fit and leave what may fit to a run. A DiT gang (``dit.parallel``) is estimated per rank: the weights diffusers'
 ``_tp_plan`` shards divided by ``tensor`` (the modulation Linears, a third of the model, whole on every rank), float8
 bytes for the Linears ``dit.quantization: fp8`` quantizes, and a step's activations divided over its CFG and sequence
-ranks (each holds half the passes, or a chunk of every row's tokens). A VAE gang's rank (``vae.parallel``) is
-estimated as a whole decode, an upper bound (it holds one band's activations).
+ranks (each holds half the passes, or a chunk of every row's tokens), or, where ``dit.parallel.split`` lets steps run
+rows, the whole passes a rank then holds (its share of ``max_batch_tokens``, one pass at least), if more. A VAE
+gang's rank (``vae.parallel``) is estimated as a whole decode, an upper bound (it holds one band's activations).
 
 A gang (``dit.parallel`` or ``vae.parallel`` above world size 1) is placed as one Ray placement group per replica,
 packed on one node (``STRICT_PACK``): the replica's own bundle, then one per rank (``gang_bundles``). With
@@ -73,6 +74,8 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
             weights = dit_weight_bytes(width, parallel.tensor, stage.quantization == "fp8") / GIB
             rows = dit_rows_at(config, side)
             extra = rows * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2 / (parallel.cfg * parallel.sequence)
+            if parallel.split != "sequence":  # whole passes, half a true-CFG request's activations each
+                extra = max(extra, dit_rank_passes_at(config, side) * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2 / 2)
             fp8 = " and float8" if stage.quantization == "fp8" else ""
             gang = f", per rank of a gang of {parallel.world_size}" if parallel.world_size > 1 else ""
             detail = (f"{weights:.1f} GiB of {stage.dtype}{fp8} weights, {extra:.1f} GiB for "
@@ -103,6 +106,17 @@ def dit_rows_at(config, side: int) -> int:
         return dit.max_batch_size
     tokens = dit_work_tokens(side, side, config.encoder.max_sequence_length, true_cfg=True)
     return max(1, min(dit.max_batch_size, dit.max_batch_tokens // tokens))
+
+
+def dit_rank_passes_at(config, side: int) -> int:
+    """Passes of ``side`` x ``side`` one rank of a gang holds in a step that runs rows whole: its share of
+    ``max_batch_tokens`` (one pass at least), or its share of ``max_batch_size`` rows' passes."""
+    dit = config.dit
+    ranks = dit.parallel.cfg * dit.parallel.sequence
+    if dit.max_batch_tokens is None:
+        return -(-2 * dit.max_batch_size // ranks)
+    pass_tokens = dit_work_tokens(side, side, config.encoder.max_sequence_length, true_cfg=True) // 2
+    return max(1, min(-(-2 * dit.max_batch_size // ranks), dit.max_batch_tokens // ranks // pass_tokens))
 
 
 def check_placement(config) -> None:

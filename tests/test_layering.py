@@ -100,7 +100,7 @@ def test_deployments_reach_model_runners_only_through_the_engine_builders():
         "deployments.encoder", "deployments.dit", "deployments.vae"}
 
 
-@pytest.mark.parametrize("test_module", ["test_schedulers", "test_request_path"])
+@pytest.mark.parametrize("test_module", ["test_schedulers", "test_dit_split", "test_request_path"])
 def test_scheduler_and_request_path_tests_load_no_model_code(test_module):
     code = (f"sys.path[:0] = ['tests', '.']\nimport {test_module}\n"
             "print(sorted(m for m in sys.modules if m.startswith('omni_ray.runners')))")

@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import REPO
 
-from benchmarks import load
+from benchmarks import load, parallel_choice, slo
 from benchmarks.scale import bottleneck
 from omni_ray.api.planning import plan_request
 from omni_ray.config import load_config
@@ -85,3 +85,15 @@ def test_an_idle_process_watches_its_event_loop_as_the_coordinator_does():
     assert figures["late_max_ms"] >= 0
     assert 0 <= figures["host_steal_share"] < 1
     assert 0 <= figures["samples_with_over_20ms_stolen"] <= figures["samples"]
+
+
+def test_the_parallel_choice_benchmark_replays_the_same_arrivals_on_each_split_on_a_virtual_clock():
+    plan = slo.arrivals(0, 150, [(rate * 3, kind, tenant) for rate, kind, tenant in slo.MIX])
+    runs = {split: parallel_choice.run(split, plan) for split in parallel_choice.SPLITS}
+    for run in runs.values():
+        assert sum(figures["requests"] for figures in run["latency_s"].values()) == len(plan)
+        assert run["latency_s"]["interactive"]["p50"] >= 20 * 0.08  # 20 steps of at least Ulysses 4's 512x512 step
+    assert runs["sequence"]["steps"].keys() == {"sequence"} and runs["rows"]["steps"].keys() == {"rows"}
+    assert runs["per_step"]["steps"].keys() == {"sequence", "rows"}
+    errors = runs["rows"]["step_fit_error"]
+    assert errors["reported_tokens"]["rows"] < errors["plain_sum"]["rows"]  # uneven rows steps, counted by the busiest

@@ -6,22 +6,33 @@ import asyncio
 import io
 import pathlib
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from omni_ray.config import load_config
-from omni_ray.engine.builders import build_dit_core
+from omni_ray.config import DiTConfig, load_config
+from omni_ray.engine.builders import build_dit_core, build_dit_runner, create_split
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
+from omni_ray.engine.dit_split import FixedSplit, PerStepSplit, StepShape
 from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.pipeline import Pipeline
 from omni_ray.qwen_image import image_tokens
-from omni_ray.records import DecodeRequest, DenoiseParams, DenoiseRequest, ImageEncodeRequest, Latents, PromptEmbeds
+from omni_ray.records import (
+    DecodeRequest,
+    DenoiseBatch,
+    DenoiseParams,
+    DenoiseRequest,
+    ImageEncodeRequest,
+    Latents,
+    PromptEmbeds,
+)
 from omni_ray.runners.gpu_costs import GpuCosts, dit_pass_flops
+from omni_ray.runners.parallel.split import assign_passes
 from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedVae, photo_like
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -139,6 +150,10 @@ def test_the_presets_dit_scheduling_becomes_the_policy_its_scheduler_is_given():
     assert build_dit_core(config).scheduler.policy == PriorityPolicy(4608, dit.max_paused, dit.priority_aging_s)
     fifo = config.model_copy(update={"dit": dit.model_copy(update={"scheduling": "fifo"})})
     assert build_dit_core(fifo).scheduler.policy == FifoPolicy()
+    assert build_dit_core(config).scheduler.split == FixedSplit()
+    gang = DiTConfig.model_validate({**dit.model_dump(), "parallel": {"ulysses": 4, "split": "per_step"}})
+    assert create_split(gang) == PerStepSplit(4)
+    assert build_dit_runner(config.model_copy(update={"dit": gang})).ranks == 4  # each rank sleeps the gang's step
 
 
 def test_the_async_engine_times_each_request_and_how_long_it_queued():
@@ -159,3 +174,55 @@ def test_the_async_engine_times_each_request_and_how_long_it_queued():
     assert first["dit_queued"] < 0.5 * first_runs <= first_runs * 0.98 <= second["dit_queued"]
     assert first["dit"] >= first_runs * 0.98 and second["dit"] >= second["dit_queued"] + first_runs * 0.98
     assert set(first) == set(second) == {"encoder", "dit", "dit_queued"} and first["encoder"] == 0.25
+
+
+class VirtualClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_the_simulated_gang_takes_a_sequence_step_over_its_ranks_and_a_rows_step_as_its_busiest_rank():
+    costs, clock = GpuCosts.h200(), VirtualClock()
+    runner = SimulatedDenoiser(torch.bfloat16, costs, ranks=4, clock=clock)
+    embeds = PromptEmbeds(torch.zeros(12, 8))
+    requests = [DenoiseRequest(f"r{i}", DenoiseParams(1328, 1328, 4, seed=i, true_cfg_scale=4.0, true_cfg=True),
+                               embeds, embeds) for i in range(5)]
+    seconds = []
+    for split, count in (("sequence", 1), ("rows", 4), ("rows", 5)):
+        new = [r for r in requests[:count] if r.request_id not in runner.states]
+        started = clock.now
+        runner.execute_model(DenoiseBatch(new, [r.request_id for r in requests[:count]], [], split))
+        seconds.append(clock.now - started)
+    one = costs.dit_step(1, 1328, 1328, 12, True)
+    assert seconds[0] == pytest.approx(costs.dit_step(1, 1328, 1328, 12, True, ranks=4))
+    assert seconds[0] < one / 2 and seconds[1] == pytest.approx(one)  # eight passes, two a rank: one row's time
+    assert seconds[2] == pytest.approx(costs.dit_forward(3, image_tokens(1328, 1328) + 12))  # ten: the busiest 3
+
+
+def test_the_ulysses_model_is_kind_to_sequence_parallelism_against_vllm_omnis_published_scaling():
+    costs = GpuCosts.h200()
+    one = costs.dit_step(1, 2048, 2048, 50, True)
+    published = {2: 112.5 / (2 * 65.2), 4: 112.5 / (4 * 39.6), 8: 112.5 / (8 * 30.8)}  # H800, 2048x2048, end to end
+    for ranks, efficiency in published.items():
+        modelled = one / (ranks * costs.dit_step(1, 2048, 2048, 50, True, ranks=ranks))
+        assert efficiency < modelled < 1
+    step = costs.dit_step(1, 1024, 1024, 50, True, ranks=4)
+    assert 0.03 < costs.all_to_alls(2 * (4096 + 50), 4) / step < 0.1
+    assert costs.dit_step(3, 512, 512, 50, True, ranks=1) == costs.dit_step(3, 512, 512, 50, True)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_rows_plan_deals_the_passes_over_the_ranks_as_the_runner_does(passes):
+    rows = [SimpleNamespace(tokens=passes * tokens, passes=passes, priority=0) for tokens in (30, 50, 40, 20, 60)]
+    dealt = rows + (rows if passes == 2 else [])
+    ranks = assign_passes([None] * len(dealt), [0] * len(rows) + [1] * (len(dealt) - len(rows)), False, 4)
+    loads = [0.0] * 4
+    for row, rank in zip(dealt, ranks):
+        loads[rank] += row.tokens / row.passes
+    assert StepShape("rows", 4, 32, None).loads(rows) == loads

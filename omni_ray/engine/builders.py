@@ -11,6 +11,7 @@ from omni_ray.config import DiTConfig, PipelineConfig, VAEConfig
 from omni_ray.engine.core import DiTEngineCore, EngineCore, ModelRunner
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
+from omni_ray.engine.dit_split import FixedSplit, PerStepSplit, SplitPolicy
 from omni_ray.engine.encoder_core import EncoderEngineCore
 from omni_ray.engine.executor import (
     Executor,
@@ -69,10 +70,19 @@ def create_policy(stage: DiTConfig) -> SchedulingPolicy:
     return PriorityPolicy(stage.max_batch_tokens, stage.max_paused, stage.priority_aging_s)
 
 
+def create_split(stage: DiTConfig) -> SplitPolicy:
+    """How the steps use the gang, as ``dit.parallel.split`` says: over its cfg x sequence ranks."""
+    ranks = stage.parallel.cfg * stage.parallel.sequence
+    if stage.parallel.split == "per_step":
+        return PerStepSplit(ranks)
+    return FixedSplit(stage.parallel.split, ranks)
+
+
 def build_dit_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None) -> DiTEngineCore:
     """The DiT's core, its runner on ``dit.parallel``'s ranks (``stage_runner``)."""
     stage = config.dit
-    scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, create_policy(stage))
+    scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, create_policy(stage),
+                             split=create_split(stage))
     return DiTEngineCore(scheduler, stage_runner(stage, functools.partial(build_dit_runner, config), executor_factory))
 
 
@@ -94,10 +104,11 @@ def local_gang(stage: DiTConfig | VAEConfig, make_runner: RunnerFactory) -> Exec
 
 def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None) -> DenoiseRunner | SimulatedDenoiser:
     """One rank's DiT runner (``mesh`` None: the replica's only one), compiled and warmed up when ``dit.compile``
-    says so. Picklable with its config (``functools.partial``), for a gang's ranks to call."""
+    says so. Picklable with its config (``functools.partial``), for a gang's ranks to call. A simulated rank
+    sleeps the whole gang's step (``SimulatedDenoiser``'s ranks), so a gang of them steps as the gang would."""
     stage = config.dit
     if stage.runner == "simulated":
-        return SimulatedDenoiser(getattr(torch, stage.dtype))
+        return SimulatedDenoiser(getattr(torch, stage.dtype), ranks=stage.parallel.sequence)
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
                                 quantization=stage.quantization, mesh=mesh)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from omni_ray.engine.dit_load import StepTimes
@@ -74,15 +75,17 @@ class DiTEngineCore(EngineCore):
     the engine's thread, as vLLM's ``add_lora``/``remove_lora`` utility calls run on its core), and how long its
     steps take for their tokens (``step_times``, which its stats hand to the replica's load figures)."""
 
-    def __init__(self, scheduler, runner):
+    def __init__(self, scheduler, runner, clock: Callable[[], float] = time.perf_counter):
+        """``clock``: what step times are read from (a benchmark's virtual clock, under a simulated runner)."""
         super().__init__(scheduler, runner)
         self.step_times = StepTimes()
+        self.clock = clock
 
     def step(self) -> list[EngineCoreOutput]:
-        started = time.perf_counter()
+        started = self.clock()
         outputs = super().step()
         if outputs:
-            self.step_times.observe(self.scheduler.last_step_tokens, time.perf_counter() - started)
+            self.step_times.observe(self.scheduler.last_step_tokens, self.clock() - started)
         return outputs
 
     def stats(self) -> DiTStats:

@@ -1,16 +1,20 @@
 """What a DiT replica has to do, in seconds: the signal its routing, its autoscaling and early refusal read.
 
 ``StepTimes`` learns how long this replica's steps take from the steps it runs: ``seconds = overhead + per_token *
-tokens`` (``DenoiseRequest.work_tokens`` summed over the step's rows), a least-squares fit over recent steps, so the
-same code serves a GPU, a CPU and the simulated runner. ``DiTLoad`` keeps each request's priority, tokens and steps
-left, and turns them into cost-seconds: the time a request's remaining steps take on this replica when batched as
-deep as the preset lets its key batch, the step's fixed overhead shared between the rows.
+tokens`` (``DenoiseRequest.work_tokens`` summed over the step's rows; on a gang, the busiest rank's times the ranks,
+``dit_split.StepPlan.tokens``, so that sequence and rows steps lie on one line), a least-squares fit over recent
+steps, so the same code serves a GPU, a CPU and the simulated runner. ``DiTLoad`` keeps each request's priority,
+tokens and steps left, and turns them into cost-seconds: the time a request's remaining steps take on this replica
+when batched as deep as the preset lets its key batch (on a gang, the deeper of the splits its policy weighs), the
+step's fixed overhead shared between the rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from omni_ray.engine.dit_split import FixedSplit, SplitPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,25 +70,27 @@ class _Work:
     priority: int
     tokens: int  # work tokens per step
     steps_left: int
+    passes: int  # 2 with true CFG, else 1
 
 
 class DiTLoad:
     """The work a DiT replica holds, queued and running; changed on the replica's event loop."""
 
     def __init__(self, step_fit: Callable[[], StepFit], max_batch_size: int, max_batch_tokens: int | None,
-                 by_priority: bool = True):
+                 by_priority: bool = True, split: SplitPolicy | None = None):
         """``step_fit()``: the engine's latest ``StepFit``; ``by_priority``: the scheduler runs the more urgent first
-        (a FIFO one does not: all work is ahead)."""
+        (a FIFO one does not: all work is ahead); ``split``: the scheduler's (unset: one rank)."""
+        split = split if split is not None else FixedSplit()
+        shapes = split.shapes(max_batch_size, max_batch_tokens)
         self.step_fit = step_fit
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
+        self.shapes = [shapes[name] for name in split.splits]
         self.by_priority = by_priority
         self.work: dict[str, _Work] = {}
         self.request_s = 0.0  # cost-seconds of a request as they arrive, a moving mean
 
-    def add(self, request_id: str, priority: int, tokens: int, steps: int) -> None:
-        self.work[request_id] = _Work(priority, tokens, steps)
-        self.request_s += 0.1 * (steps * self.row_seconds(tokens) - self.request_s)
+    def add(self, request_id: str, priority: int, tokens: int, steps: int, passes: int = 1) -> None:
+        self.work[request_id] = _Work(priority, tokens, steps, passes)
+        self.request_s += 0.1 * (steps * self.row_seconds(tokens, passes) - self.request_s)
 
     def progress(self, request_id: str, done: int, total: int) -> None:
         if (work := self.work.get(request_id)) is not None:
@@ -93,25 +99,23 @@ class DiTLoad:
     def remove(self, request_id: str) -> None:
         self.work.pop(request_id, None)
 
-    def row_seconds(self, tokens: int) -> float:
-        """One step of one request of ``tokens`` tokens, in a step as full as its key batches."""
-        rows = self.max_batch_size
-        if self.max_batch_tokens is not None:
-            rows = max(1, min(rows, self.max_batch_tokens // tokens))
+    def row_seconds(self, tokens: int, passes: int = 1) -> float:
+        """One step of one request of ``tokens`` tokens in ``passes`` passes, in a step as full as its key batches."""
+        rows = max(shape.depth(tokens, passes) for shape in self.shapes)
         fit = self.step_fit()
         return fit.overhead_s / rows + fit.per_token_s * tokens
 
     def seconds(self, max_priority: int | None = None) -> float:
         """Cost-seconds of every request held (of priority ``max_priority`` or more urgent, when given)."""
         held = list(self.work.values())  # one step under the GIL: the metrics thread reads it too
-        return sum(w.steps_left * self.row_seconds(w.tokens) for w in held
+        return sum(w.steps_left * self.row_seconds(w.tokens, w.passes) for w in held
                    if max_priority is None or w.priority <= max_priority)
 
-    def estimate(self, priority: int, tokens: int, steps: int, images: int = 1) -> float:
+    def estimate(self, priority: int, tokens: int, steps: int, images: int = 1, passes: int = 1) -> float:
         """Seconds until a new request's ``images`` would be done here: the work as urgent or more that is ahead of
         it, and its own (0 until the replica has run a step: it has nothing to learn from)."""
         if self.step_fit().num_steps == 0:
             return 0.0
         ahead = self.seconds(priority if self.by_priority else None)
-        return ahead + images * steps * self.row_seconds(tokens)
+        return ahead + images * steps * self.row_seconds(tokens, passes)
 

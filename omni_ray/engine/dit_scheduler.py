@@ -22,6 +22,10 @@ aging: the oldest key's requests in arrival order, up to ``max_batch_size``).
   runner.
 - **Paused.** A step admits no new request while more than the policy's ``max_paused`` admitted ones would sit
   outside it: new requests then wait in the queue, where they hold no state.
+- **Split.** On a gang with sequence ranks, the step's rows are taken as far as they fit each split its split policy
+  weighs (omni_ray/engine/dit_split.py: a rows step also keeps each rank within its share of the budget):
+  ``FixedSplit`` one, ``PerStepSplit`` both, and it chooses which the step runs (``DenoiseBatch.split``). A step
+  holding a row with cache acceleration runs sequence, as the runner would.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from omni_ray.engine.dit_policy import PriorityPolicy, SchedulingPolicy
+from omni_ray.engine.dit_split import FixedSplit, Split, SplitPolicy, StepPlan
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
 from omni_ray.records import BatchKey, DenoiseBatch, DenoiseOutput, DenoiseRequest
@@ -44,6 +49,8 @@ class _Entry:
     request: DenoiseRequest
     key: BatchKey
     tokens: int  # work tokens per step
+    passes: int  # 2 with true CFG, else 1
+    cached: bool  # with cache acceleration: its cache holds each rank's chunk of its tokens, so its steps run sequence
     priority: int
     tenant: str
     arrived_step: int  # steps run before it arrived
@@ -54,13 +61,16 @@ class _Entry:
 
 class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def __init__(self, max_batch_size: int, max_wait_steps: int, policy: SchedulingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        """``policy`` unset: priorities and tenants with no token budget, no bound on pauses and no aging."""
+                 clock: Callable[[], float] = time.monotonic, split: SplitPolicy | None = None):
+        """``policy`` unset: priorities and tenants with no token budget, no bound on pauses and no aging. ``split``
+        unset: one rank."""
         assert max_batch_size > 0 and max_wait_steps > 0
         self.max_batch_size = max_batch_size
         self.max_wait_steps = max_wait_steps
         self.policy = policy if policy is not None else PriorityPolicy()
         self.clock = clock
+        self.split = split if split is not None else FixedSplit()
+        self.shapes = self.split.shapes(max_batch_size, self.policy.max_batch_tokens)
         self.entries: dict[str, _Entry] = {}  # every unfinished request, in arrival order
         self.last_served: dict[BatchKey, int] = {}  # key -> steps run when it last ran (its step included)
         self.tenant_served: dict[str, int] = {}  # tenant -> steps run when it last had a row
@@ -69,8 +79,9 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self.current_key: BatchKey | None = None
         self.num_steps = 0
         self.num_arrivals = 0
-        self.last_step_tokens = 0  # work tokens of the step last scheduled
+        self.last_step_tokens = 0  # work tokens of the step last scheduled, as its time counts them (StepPlan.tokens)
         self.batch_sizes: Counter[int] = Counter()  # requests per step -> steps run with that many
+        self.splits: Counter[Split] = Counter()  # split -> steps run that way
         self.passed_over: list[_Entry] = []  # sat out the last step, which ran more urgent requests
         self.last_step_at: float | None = None  # the clock when the last step was scheduled
         self.num_paused = 0  # admitted requests the last step did not run
@@ -86,8 +97,9 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def add_request(self, request: DenoiseRequest) -> None:
         assert request.request_id not in self.entries, f"duplicate request id {request.request_id}"
         priority, tenant = self.policy.priority_and_tenant(request)
-        self.entries[request.request_id] = _Entry(request, request.batch_key, request.work_tokens, priority, tenant,
-                                                  self.num_steps, self.num_arrivals)
+        self.entries[request.request_id] = _Entry(
+            request, request.batch_key, request.work_tokens, 2 if request.params.true_cfg else 1,
+            request.params.cache is not None, priority, tenant, self.num_steps, self.num_arrivals)
         self.num_arrivals += 1
 
     def finish_requests(self, request_ids: list[str]) -> None:
@@ -100,16 +112,16 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def schedule(self) -> DenoiseBatch:
         freed = self.take_freed_ids()
         self._age()
-        rows = self._plan(list(self.entries.values()))
+        plan = self._plan(list(self.entries.values()))
         max_paused = self.policy.max_paused
-        if max_paused is not None and self._paused_after(rows) > max_paused:
-            rows = self._plan([e for e in self.entries.values() if e.admitted])  # the queue waits instead
+        if plan is not None and max_paused is not None and self._paused_after(plan.rows) > max_paused:
+            plan = self._plan([e for e in self.entries.values() if e.admitted])  # the queue waits instead
         self.num_steps += 1
-        if not rows:
+        if plan is None:
             self.current_key = None
             self.last_step_tokens = self.num_paused = 0
             return DenoiseBatch(new_requests=[], request_ids=[], freed_ids=freed)
-        rows.sort(key=lambda entry: entry.seq)
+        rows: list[_Entry] = sorted(plan.rows, key=lambda entry: entry.seq)
         most_urgent = min(entry.priority for entry in rows)
         ran = {id(entry) for entry in rows}
         self.passed_over = [e for e in self.entries.values() if e.priority > most_urgent and id(e) not in ran]
@@ -123,12 +135,13 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
             self.usage[who] = self.usage.get(who, 0.0) + entry.tokens
         self.current_key = rows[0].key
         self.last_served[self.current_key] = self.num_steps
-        self.last_step_tokens = sum(entry.tokens for entry in rows)
+        self.last_step_tokens = plan.tokens
         self.batch_sizes[len(rows)] += 1
+        self.splits[plan.split] += 1
         self.num_paused = sum(entry.admitted for entry in self.entries.values()) - len(rows)
         self.num_paused_steps += self.num_paused
         return DenoiseBatch(new_requests=new, request_ids=[entry.request.request_id for entry in rows],
-                            freed_ids=freed)
+                            freed_ids=freed, split=plan.split)
 
     def update_from_output(self, scheduler_output: DenoiseBatch, runner_output: DenoiseOutput
                            ) -> list[EngineCoreOutput]:
@@ -160,10 +173,19 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
 
     # --- the rules ------------------------------------------------------------------------------------------------
 
-    def _plan(self, candidates: list[_Entry]) -> list[_Entry]:
-        """The step's rows among ``candidates``: one key, by urgency and tenant turns, within the budget."""
+    def _plan(self, candidates: list[_Entry]) -> StepPlan | None:
+        """The step among ``candidates``: its rows as far as they fit each split weighed, and the split chosen."""
         if not candidates:
-            return []
+            return None
+        offered = self._turns(candidates, self.max_batch_size)  # no step holds more
+        plans = {split: self.shapes[split].plan(offered) for split in self.split.splits}
+        if "rows" in plans and any(entry.cached for entry in plans["rows"].rows):
+            return plans.get("sequence") or self.shapes["sequence"].plan(offered)
+        return plans[self.split.choose(plans)]
+
+    def _turns(self, candidates: list[_Entry], limit: int) -> list[_Entry]:
+        """Up to ``limit`` of the key's rows among ``candidates`` in the order a step takes them: by urgency and tenant
+        turns."""
         urgency = {id(entry): self.policy.effective_priority(entry.priority, entry.starved_s) for entry in candidates}
         key = self._pick_key(candidates, urgency)
         classes: dict[int, dict[str, deque[_Entry]]] = defaultdict(lambda: defaultdict(deque))
@@ -171,19 +193,14 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
                             key=lambda e: (urgency[id(e)], not e.admitted, e.seq)):
             classes[urgency[id(entry)]][entry.tenant].append(entry)  # dicts keep order: admitted, then oldest
         rows: list[_Entry] = []
-        tokens = 0
         taken: Counter[str] = Counter()  # tokens each tenant took in this step
         for level in sorted(classes):
             queues = classes[level]
-            while queues:
+            while queues and len(rows) < limit:
                 tenant = min(queues, key=lambda t: (self.usage.get((queues[t][0].priority, t), 0.0) + taken[t],
                                                     self.tenant_served.get(t, -1)))
-                entry = queues[tenant][0]
-                if len(rows) >= self.max_batch_size or (
-                        rows and self.max_batch_tokens is not None and tokens + entry.tokens > self.max_batch_tokens):
-                    return rows
-                rows.append(queues[tenant].popleft())
-                tokens += entry.tokens
+                entry = queues[tenant].popleft()
+                rows.append(entry)
                 taken[tenant] += entry.tokens
                 if not queues[tenant]:
                     del queues[tenant]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,10 +33,17 @@ from omni_ray.records import (
 from omni_ray.runners.gpu_costs import GpuCosts
 
 
-def _wait_until(deadline: float) -> None:
-    remaining = deadline - time.monotonic()
+class Clock(Protocol):
+    """What a simulated runner waits on: the ``time`` module, or a benchmark's virtual clock."""
+
+    def monotonic(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+
+
+def _wait_until(deadline: float, clock: Clock = time) -> None:
+    remaining = deadline - clock.monotonic()
     if remaining > 0:
-        time.sleep(remaining)
+        clock.sleep(remaining)
 
 
 class SimulatedEncoder:
@@ -89,17 +97,24 @@ class SimulatedDenoiser:
     """Stands for ``DenoiseRunner`` under the DiT's scheduler: a step of the batch the scheduler formed takes the
     simulated time of that batch (fixed overhead plus every pass's FLOPs), and a finished request's latents are
     ``[tokens, 64]`` noise of the stage's dtype, drawn from its seed. Cache acceleration is not simulated: every
-    pass counts as computed. It takes no LoRA adapters (no layer to adapt)."""
+    pass counts as computed. It takes no LoRA adapters (no layer to adapt).
+
+    With ``ranks`` > 1 it stands for a gang of that many sequence ranks: a ``sequence`` step takes the batch's time
+    with every pass split over the ranks (``GpuCosts.dit_step``'s all-to-alls included), a ``rows`` step as long as
+    its busiest rank's passes take on one GPU, dealt over the ranks in turn as ``DenoiseRunner.predict`` deals them.
+    Every rank of a gang of simulated ranks sleeps the whole gang's step."""
 
     lora_shapes: dict[str, tuple[int, int]] = {}
 
-    def __init__(self, dtype: torch.dtype, costs: GpuCosts | None = None):
+    def __init__(self, dtype: torch.dtype, costs: GpuCosts | None = None, ranks: int = 1, clock: Clock = time):
         self.dtype = dtype
         self.costs = costs or GpuCosts.h200()
+        self.ranks = ranks
+        self.clock = clock
         self.states: dict[str, _Denoising] = {}
 
     def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
-        started = time.monotonic()
+        started = self.clock.monotonic()
         for request_id in batch.freed_ids:
             self.states.pop(request_id, None)
         output = DenoiseOutput()
@@ -118,18 +133,26 @@ class SimulatedDenoiser:
         stepped = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
         if not stepped:
             return output
-        first = next(iter(stepped.values()))
-        seconds = self.costs.dit_step(
-            len(stepped), first.params.height, first.params.width, max(s.text_tokens for s in stepped.values()),
-            first.true_cfg, first.image_tokens,
-        )
+        seconds = self._step_seconds(list(stepped.values()), batch.split)
         for request_id, state in stepped.items():
             state.step_index += 1
             output.progress[request_id] = (state.step_index, state.params.steps_run)
             if state.step_index >= state.params.steps_run:
                 output.finished[request_id] = self._latents(self.states.pop(request_id))
-        _wait_until(started + seconds)
+        _wait_until(started + seconds, self.clock)
         return output
+
+    def _step_seconds(self, rows: list[_Denoising], split: str) -> float:
+        """A step's simulated time: every pass split over the ranks, or the busiest rank's passes whole (every row's
+        first pass, then the unconditional ones, dealt in turn), text padded to the longest in the forward."""
+        first = rows[0]
+        image = image_tokens(first.params.height, first.params.width) + first.image_tokens
+        if split == "sequence" or self.ranks == 1:
+            passes = len(rows) * (2 if first.true_cfg else 1)
+            return self.costs.dit_forward(passes, image + max(s.text_tokens for s in rows), self.ranks)
+        passes = rows + [row for row in rows if row.true_cfg]
+        shares = [passes[rank :: self.ranks] for rank in range(min(self.ranks, len(passes)))]
+        return max(self.costs.dit_forward(len(share), image + max(s.text_tokens for s in share)) for share in shares)
 
     def _latents(self, state: _Denoising) -> Latents:
         params = state.params
