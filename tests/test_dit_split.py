@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO
-from test_schedulers import FakeRunner, request, step
+from test_schedulers import FakeRunner, request, run, step
 
 from omni_ray.config import CacheSettings, DiTConfig, parse_config
 from omni_ray.engine.dit_load import DiTLoad, StepTimes
@@ -72,6 +72,19 @@ def test_an_urgent_row_shares_an_even_rows_step_with_batch_rows_but_is_never_slo
     # Over a rank's share: rows would run the urgent row's passes at one GPU's speed beside a batch row's; sequence
     # runs it alone, over the four ranks.
     assert first_step(gang(step_tokens=60), *urgent(1, cfg=True), *batch(3, cfg=True)) == ("sequence", ["u0"])
+
+
+def test_a_rows_step_counts_as_the_sequence_steps_its_rows_would_take_in_the_keys_turns():
+    # Two true-CFG rows over a rank's share, a pass a rank: as many rows as two sequence steps, in one GPU's pass. A
+    # key of the same priority gets its turn after as much work either way (max_wait_steps 4), sooner as rows.
+    def keys_run(split):
+        scheduler, runner = gang(split, step_tokens=60), FakeRunner()
+        for r in [*batch(4, cfg=True), request("other", 3, size=(64, 128), priority=1)]:
+            scheduler.add_request(r)
+        return [ids[0][0] for ids in run(scheduler, runner, 5)]
+
+    assert keys_run(None) == ["b", "b", "o", "o", "o"]  # two rows steps of two rows each, then the other key
+    assert keys_run(FixedSplit("sequence", 4)) == ["b", "b", "b", "b", "o"]
 
 
 def test_fixed_splits_run_every_step_one_way_within_the_same_bounds():

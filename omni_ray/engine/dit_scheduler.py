@@ -11,7 +11,8 @@ aging: the oldest key's requests in arrival order, up to ``max_batch_size``).
   the request sat out steps that ran more urgent requests, so nothing starves behind a flood of more urgent work
   (waiting behind requests as urgent as itself ages nothing: there, turns are fair). Among keys holding that
   priority the DiT stays on its current key until another has waited ``max_wait_steps`` steps, then switches to the
-  one that waited longest.
+  one that waited longest. A rows step counts there as the sequence steps its rows would take (``num_turns``): a
+  turn holds as much work whatever the split, so a gang's rows step over two large rows does not make it longer.
 - **Rows.** The key's requests by effective priority; within a priority, each row goes to the tenant that has used
   the DiT least lately at that priority (its rows' tokens over recent steps, ``USAGE_HALFLIFE_STEPS``, plus those it
   took in this step; a tenant's batch jobs do not slow its interactive requests), so a tenant sending a tenth of
@@ -53,7 +54,7 @@ class _Entry:
     cached: bool  # with cache acceleration: its cache holds each rank's chunk of its tokens, so its steps run sequence
     priority: int
     tenant: str
-    arrived_step: int  # steps run before it arrived
+    arrived_turn: float  # turns run before it arrived (DiTScheduler.num_turns)
     seq: int  # arrival number
     admitted: bool = False  # the runner holds its state
     starved_s: float = 0.0  # time it sat out steps that ran more urgent requests
@@ -72,12 +73,13 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self.split = split if split is not None else FixedSplit()
         self.shapes = self.split.shapes(max_batch_size, self.policy.max_batch_tokens)
         self.entries: dict[str, _Entry] = {}  # every unfinished request, in arrival order
-        self.last_served: dict[BatchKey, int] = {}  # key -> steps run when it last ran (its step included)
+        self.last_served: dict[BatchKey, float] = {}  # key -> turns run when it last ran (its step included)
         self.tenant_served: dict[str, int] = {}  # tenant -> steps run when it last had a row
         self.usage: dict[tuple[int, str], float] = {}  # (priority, tenant) -> tokens its rows took, decayed
         self.freed_ids: list[str] = []  # left the runner's care since the last step
         self.current_key: BatchKey | None = None
         self.num_steps = 0
+        self.num_turns = 0.0  # steps run, a rows step counted as the sequence steps its rows would take
         self.num_arrivals = 0
         self.last_step_tokens = 0  # work tokens of the step last scheduled, as its time counts them (StepPlan.tokens)
         self.batch_sizes: Counter[int] = Counter()  # requests per step -> steps run with that many
@@ -99,7 +101,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         priority, tenant = self.policy.priority_and_tenant(request)
         self.entries[request.request_id] = _Entry(
             request, request.batch_key, request.work_tokens, 2 if request.params.true_cfg else 1,
-            request.params.cache is not None, priority, tenant, self.num_steps, self.num_arrivals)
+            request.params.cache is not None, priority, tenant, self.num_turns, self.num_arrivals)
         self.num_arrivals += 1
 
     def finish_requests(self, request_ids: list[str]) -> None:
@@ -117,6 +119,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         if plan is not None and max_paused is not None and self._paused_after(plan.rows) > max_paused:
             plan = self._plan([e for e in self.entries.values() if e.admitted])  # the queue waits instead
         self.num_steps += 1
+        self.num_turns += 1 if plan is None else self._turns_taken(plan)
         if plan is None:
             self.current_key = None
             self.last_step_tokens = self.num_paused = 0
@@ -134,7 +137,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
             who = (entry.priority, entry.tenant)
             self.usage[who] = self.usage.get(who, 0.0) + entry.tokens
         self.current_key = rows[0].key
-        self.last_served[self.current_key] = self.num_steps
+        self.last_served[self.current_key] = self.num_turns
         self.last_step_tokens = plan.tokens
         self.batch_sizes[len(rows)] += 1
         self.splits[plan.split] += 1
@@ -226,13 +229,21 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
             keys = set(starving)
         return min(keys, key=lambda key: (-self._waited(key), self._oldest(key)[1]))
 
-    def _waited(self, key: BatchKey) -> int:
-        """Steps run without the key since it last ran, or since its oldest request arrived if that was later."""
-        return self.num_steps - max(self.last_served.get(key, 0), self._oldest(key)[0])
+    def _waited(self, key: BatchKey) -> float:
+        """Turns run without the key since it last ran, or since its oldest request arrived if that was later."""
+        return self.num_turns - max(self.last_served.get(key, 0.0), self._oldest(key)[0])
 
-    def _oldest(self, key: BatchKey) -> tuple[int, int]:
+    def _oldest(self, key: BatchKey) -> tuple[float, int]:
         """(arrival step, arrival number) of the key's oldest request."""
-        return min((e.arrived_step, e.seq) for e in self.entries.values() if e.key == key)
+        return min((e.arrived_turn, e.seq) for e in self.entries.values() if e.key == key)
+
+    def _turns_taken(self, plan: StepPlan) -> float:
+        """The turns a step counts for in other keys' wait: one, or for a rows step the sequence steps its rows
+        would take (two large true-CFG rows, a pass a rank, count two)."""
+        if plan.split != "rows":
+            return 1.0
+        first = plan.rows[0]
+        return max(1.0, len(plan.rows) / self.shapes["sequence"].depth(first.tokens, first.passes))
 
     def _paused_after(self, rows: list[_Entry]) -> int:
         """Admitted requests that would sit outside a step running ``rows``."""

@@ -27,7 +27,11 @@ from typing import ClassVar, Literal, Protocol
 
 Split = Literal["sequence", "rows"]  # DenoiseBatch.split
 URGENT_PRIORITY = 0  # the API's default priority: requests that did not mark themselves as batch work
-EVEN = 1.1  # a rows step may load its busiest rank this much over the mean: what a sequence step loses to all-to-alls
+# A rows step may load its busiest rank this much over the mean: what a sequence step loses to its all-to-alls. On 4
+# ranks they are 8% of a 1024x1024 true-CFG step, but a fifth of a step of a few 512x512 rows, where 240 collectives'
+# fixed latency weighs most (runners/gpu_costs.py): five such rows (ten passes, 3/3/2/2, 1.2 the mean) end sooner dealt
+# as rows than split as sequence.
+EVEN = 1.2
 
 
 class Row(Protocol):
@@ -158,14 +162,16 @@ class PerStepSplit(SplitPolicy):
       busiest rank no more than sequence's (``EVEN`` aside); batch work takes the throughput. So an urgent request
       alone, or with fewer passes than ranks, runs sequence: rows would idle ranks and run it at one GPU's speed.
 
-    Urgent requests waiting outside the step do not count. The batch steps that run while urgent requests wait run
-    batch work aged to their priority (``priority_aging_s``), taking turns with them by steps (``max_wait_steps``).
-    As rows, such a turn over large images lasts longer than a sequence turn, and an urgent request waiting through
-    it feels that (benchmarks/parallel_choice.py: near 2.5 times slo's mix, a p99 up to 1.16 times a fixed sequence
-    gang's); as sequence, it clears the aged backlog at a fraction of the rate, and past the load a sequence gang
-    can carry, the backlog and every latency grow without bound (a variant of this rule that counted waiting urgent
-    requests lost 17% of fixed rows' throughput at 6 times the mix). Nor does a split shorten the step an urgent
-    request arrives during: after a rows step over large rows it waits for one GPU's pass.
+    Urgent requests waiting outside the step do not count: the split does not trade batch work for their wait.
+    While they wait, batch work aged to their priority (``priority_aging_s``) takes turns with them by keys
+    (``max_wait_steps``), and a rows step over large rows, a pass a rank, counts in that turn as the sequence steps its
+    rows would take (``DiTScheduler``): so a turn runs as much batch work either way, and as rows it ends sooner (two
+    1328x1328 true-CFG rows in one GPU's pass, 0.23 s, where sequence takes 0.16 s for each). Counted by steps, a
+    rows turn ran twice the work in 1.45 times a sequence turn's time, and an urgent request waiting through three
+    of them had near 2.5 times slo's mix a p99 1.16 times a fixed sequence gang's (benchmarks/parallel_choice.py);
+    running such turns as sequence instead (when urgent requests wait, or only a few) gave up fixed rows' throughput,
+    up to 17% at 6 times the mix. Nor does a split shorten the step an urgent request arrives during: after a rows
+    step over large rows it waits for one GPU's pass.
     """
 
     ranks: int
