@@ -37,7 +37,7 @@ from omni_ray.runners.denoise_state import DenoiseState, prepare_state
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.lora import LoraLayer, LoraTable
-from omni_ray.runners.parallel.mesh import Mesh
+from omni_ray.runners.parallel.mesh import Comm, Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.parallel.tensor import shard_transformer
 from omni_ray.runners.quantization import quantize_fp8
@@ -251,15 +251,23 @@ class DenoiseRunner:
         sequence = None if by_rows else self.mesh
         prediction, caches = self._forward_passes([passes[i] for i in mine], sequence) if mine else (None, [])
         if comm.size > 1:
-            like = states[0].latents.new_zeros(self._prediction_shape(states[0]))
-            prediction = gather_passes(comm, ranks, prediction, like)
-            flags = [float(c is not None and c.reused > before[i].reused) for i, c in zip(mine, caches)]
-            flag = like.new_zeros((), dtype=torch.float32)  # on the gang's device: NCCL sends no host tensor
-            reused = gather_passes(comm, ranks, flag.new_tensor(flags) if mine else None, flag).tolist()
-            local = dict(zip(mine, caches))
-            caches = [local[i] if i in local else _counted(before[i], bool(reused[i])) for i in range(len(passes))]
+            prediction, caches = self._share(comm, ranks, mine, prediction, caches, before, states[0])
         rows = len(states)
         return prediction[:rows], (prediction[rows:] if cfg else None), caches
+
+    def _share(self, comm: Comm, ranks: list[int], mine: list[int], prediction: torch.Tensor | None,
+               caches: list[BranchCache | None], before: list[BranchCache | None], state: DenoiseState
+               ) -> tuple[torch.Tensor, list[BranchCache | None]]:
+        """Every pass's prediction and cache from this rank's (the passes ``mine`` of those ``ranks`` ran): the
+        predictions and each pass's cache decision (reused or not) all-gathered over ``comm``; another rank's pass
+        keeps its tensors there and has its decision counted here."""
+        like = state.latents.new_zeros(self._prediction_shape(state))
+        prediction = gather_passes(comm, ranks, prediction, like)
+        flags = [float(c is not None and c.reused > before[i].reused) for i, c in zip(mine, caches)]
+        flag = like.new_zeros((), dtype=torch.float32)  # on the gang's device: NCCL sends no host tensor
+        reused = gather_passes(comm, ranks, flag.new_tensor(flags) if mine else None, flag).tolist()
+        local = dict(zip(mine, caches))
+        return prediction, [local[i] if i in local else _counted(before[i], bool(reused[i])) for i in range(len(ranks))]
 
     def _prediction_shape(self, state: DenoiseState) -> tuple[int, int]:
         """One pass's prediction: every image token (an edit's input images' included), the output channels."""
