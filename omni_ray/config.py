@@ -19,8 +19,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
-    field_validator,
     model_validator,
 )
 
@@ -303,6 +301,14 @@ class DiTConfig(_StageConfig):
         32, description="Admitted requests that may sit paused outside a step at once (their latents stay in "
         "memory); past it new requests wait in the queue instead of being admitted.",
     )
+    cache_memory_bytes: PositiveInt | None = Field(
+        None,
+        description="qwen-image-2.1: bytes the admitted requests' condition caches may take together (keys and "
+        "values of each request's text and condition-image tokens in every block, per CFG branch, kept from its "
+        "first step to its last, paused or not: omni_ray.qwen_image21.cache_bytes); a request whose cache would pass "
+        "it waits in the queue until others finish, and one whose cache alone passes it fails. Unset, no bound. The "
+        "stage's stats report the bytes held.",
+    )
     priority_aging_s: float = Field(
         120.0, gt=0, description="A request's priority improves by one level for every this many seconds it sat out "
         "steps that ran more urgent requests, so that none starves behind a flood of more urgent work; waiting behind "
@@ -395,13 +401,6 @@ class EditConfig(_Frozen):
     max_image_bytes: PositiveInt = Field(
         20 << 20, description="Largest input image file a request may upload; a larger one gets a 413."
     )
-
-    @field_validator("max_images")
-    @classmethod
-    def _one_image_but_with_plus(cls, value: int, info: ValidationInfo) -> int:
-        if value > 1 and not info.data.get("plus"):
-            raise ValueError("Qwen-Image-Edit takes one image; several need an Edit-Plus checkpoint (plus: true)")
-        return value
 
     @property
     def pipeline(self) -> str:
@@ -547,7 +546,22 @@ class PipelineConfig(_Frozen):
         "dummy`. The app builder, the in-process pipeline and `make` write it (omni_ray.checkpoints.ensure); "
         "loading a preset never does.",
     )
-    configs: Literal["qwen-image", "qwen-image-edit-2511"] = Field(
+    family: Literal["qwen-image", "qwen-image-2.1"] = Field(
+        "qwen-image",
+        description="The model family the checkpoint belongs to. qwen-image: Qwen-Image, Edit and their releases "
+        "(QwenImagePipeline and its edit pipelines; Qwen2.5-VL, the 20 B dual-stream transformer, the 8x VAE). "
+        "qwen-image-2.1: Qwen-Image 2.1 (QwenImage21Pipeline; Qwen3-VL, the 7 B single-stream block-causal "
+        "transformer whose condition keys and values each request keeps across its steps, the 16x RGBA VAE): it "
+        "serves /v1/images/generations, and /v1/images/edits with 1 to edit.max_images condition images when `edit` "
+        "is set (omni_ray/qwen_image21.py).",
+    )
+    sample_sigmas: tuple[Annotated[float, Field(gt=0, le=1)], ...] | None = Field(
+        None, min_length=1,
+        description="qwen-image-2.1: the sigmas a request that sets no steps samples with (their count is its steps), "
+        "as the pipeline's sample_sigmas; unset, the checkpoint's model_index.json's, read where the preset is read "
+        "(none there: requests.default_steps evenly spaced, as the pipeline without them).",
+    )
+    configs: Literal["qwen-image", "qwen-image-edit-2511", "qwen-image-2.1"] = Field(
         "qwen-image",
         description="The published configs (omni_ray/model_configs/<configs>/) a `build_if_missing: dummy` checkpoint "
         "is written from, and the dry run checks.",
@@ -610,6 +624,13 @@ class PipelineConfig(_Frozen):
             raise ValueError(f"vae.parallel.patches ({self.vae.parallel.patches}) exceeds the latent rows of the "
                              f"smallest image ({fewest_rows}: requests.min_side / {VAE_COMPRESSION}); each rank "
                              "decodes one row at least")
+        if self.family == "qwen-image" and self.edit is not None and self.edit.max_images > 1 and not self.edit.plus:
+            raise ValueError("edit.max_images: Qwen-Image-Edit takes one image; several need an Edit-Plus checkpoint "
+                             "(plus: true) or family qwen-image-2.1")
+        if self.family == "qwen-image-2.1":
+            self._check_family_21()
+        elif self.sample_sigmas is not None or self.dit.cache_memory_bytes is not None:
+            raise ValueError("sample_sigmas and dit.cache_memory_bytes are Qwen-Image 2.1's (family: qwen-image-2.1)")
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
         check_placement(self)
@@ -626,6 +647,31 @@ class PipelineConfig(_Frozen):
                 f"dit.max_batch_size ({self.dit.max_batch_size}), or batches never fill"
             )
         return self
+
+    def _check_family_21(self) -> None:
+        """What a Qwen-Image 2.1 preset cannot ask for: Edit-Plus's settings, and the Qwen-Image DiT's features the
+        2.1 runner does not have."""
+        from omni_ray import qwen_image21
+
+        if self.edit is not None and self.edit.plus:
+            raise ValueError("edit.plus: Edit-Plus is Qwen-Image's; Qwen-Image 2.1 takes several images without it")
+        if self.dit.cache is not None:
+            raise ValueError("dit.cache: cache acceleration is Qwen-Image's; Qwen-Image 2.1 caches its condition's "
+                             "keys and values instead (dit.cache_memory_bytes)")
+        for name in ("default_width", "default_height", "min_side", "max_side"):
+            try:
+                qwen_image21.check_side(f"requests.{name}", getattr(self.requests, name))
+            except ValueError as err:
+                raise ValueError(str(err)) from None
+        if self.build_if_missing == "dummy" and self.configs != "qwen-image-2.1":
+            raise ValueError("configs: a Qwen-Image 2.1 dummy checkpoint is written from qwen-image-2.1's configs")
+
+    @property
+    def pipeline(self) -> str:
+        """diffusers' pipeline class the checkpoint must be."""
+        if self.family == "qwen-image-2.1":
+            return "QwenImage21Pipeline"
+        return self.edit.pipeline if self.edit is not None else "QwenImagePipeline"
 
     @property
     def prompt_template(self) -> PromptTemplate:
@@ -703,7 +749,17 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
     if config.build_if_missing and not model_dir.exists():
         return config
     check_checkpoint(config, source)
-    return config
+    return with_sample_sigmas(config)
+
+
+def with_sample_sigmas(config: PipelineConfig) -> PipelineConfig:
+    """A Qwen-Image 2.1 preset without ``sample_sigmas``, given its local checkpoint's (``model_index.json``'s), as
+    the pipeline reads them; any other preset as it is."""
+    index = pathlib.Path(config.model) / "model_index.json"
+    if config.family != "qwen-image-2.1" or config.sample_sigmas is not None or not index.is_file():
+        return config
+    sigmas = json.loads(index.read_text()).get("sample_sigmas")
+    return config.model_copy(update={"sample_sigmas": tuple(sigmas)}) if sigmas else config
 
 
 def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
@@ -717,7 +773,12 @@ def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
             "checkpoint)"
         )
     pipeline = json.loads(index.read_text()).get("_class_name")
-    expected = config.edit.pipeline if config.edit is not None else "QwenImagePipeline"
+    expected = config.pipeline
+    if pipeline != expected and "QwenImage21Pipeline" in (pipeline, expected):
+        raise ConfigError(
+            f"{source}: family: {config.family!r}, but model: {config.model!r} is a {pipeline} checkpoint (a "
+            f"{expected} one is needed; family qwen-image-2.1 is for QwenImage21Pipeline checkpoints)"
+        )
     if pipeline != expected:
         raise ConfigError(
             f"{source}: model: {config.model!r} is a {pipeline} checkpoint, but this preset "

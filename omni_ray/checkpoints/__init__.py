@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-from omni_ray.config import PipelineConfig, check_checkpoint
+from omni_ray.config import PipelineConfig, check_checkpoint, with_sample_sigmas
 
 
 def ensure(config: PipelineConfig) -> PipelineConfig:
@@ -24,9 +24,13 @@ def ensure(config: PipelineConfig) -> PipelineConfig:
         from omni_ray.checkpoints.dummy import write_dummy_checkpoint
 
         write_dummy_checkpoint(model_dir, edit=edit, plus=plus, configs=config.configs)
+    elif config.build_if_missing and not model_dir.exists() and config.family == "qwen-image-2.1":
+        from omni_ray.checkpoints import tiny21
+
+        tiny21.write_checkpoint(model_dir, seed=0, size=config.build_if_missing)
     elif config.build_if_missing and not model_dir.exists():
         from omni_ray.checkpoints.tiny import write_checkpoint
 
         write_checkpoint(model_dir, seed=0, size=config.build_if_missing, edit=edit, plus=plus)
     check_checkpoint(config)
-    return config
+    return with_sample_sigmas(config)

@@ -1,6 +1,7 @@
 """Write a randomly initialised Qwen-Image (or Qwen-Image-Edit) checkpoint offline, in diffusers' on-disk layout.
 
-    python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit | --edit-plus]
+    python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit | --edit-plus |
+                                                                        --qwen-image-2-1]
 
 The folders are the ones ``Qwen/Qwen-Image`` ships (``model_index.json``, ``scheduler/``, ``text_encoder/``,
 ``tokenizer/``, ``transformer/``, ``vae/``), so ``QwenImagePipeline.from_pretrained(OUT_DIR)`` loads it and vLLM
@@ -15,6 +16,8 @@ folders plus ``processor/`` (Qwen2.5-VL's processor, for the vision path), loade
 - the image processor is Qwen2.5-VL's, with Qwen-Image-Edit's pixel bounds;
 - the VAE keeps Qwen-Image's 8x spatial compression and 16 latent channels, with non-trivial latent statistics;
 - the scheduler config is Qwen-Image's own.
+
+``--qwen-image-2-1`` writes a Qwen-Image 2.1 checkpoint instead (``omni_ray.checkpoints.tiny21``).
 
 ``--size small`` widens and deepens the transformer (4 layers, 128 wide) so that compute, not per-call overhead,
 dominates a request on a CPU; it is the benchmark checkpoint. The same seed writes the same bytes.
@@ -295,7 +298,16 @@ def main(argv: list[str] | None = None) -> None:
     layout.add_argument("--edit-plus", action="store_true",
                         help="write a Qwen-Image-Edit-2509/2511 checkpoint (QwenImageEditPlusPipeline, with "
                         "processor/)")
+    layout.add_argument("--qwen-image-2-1", action="store_true",
+                        help="write a Qwen-Image 2.1 checkpoint (QwenImage21Pipeline: Qwen3-VL, the block-causal "
+                        "transformer, the 16x RGBA VAE)")
     args = parser.parse_args(argv)
+    if args.qwen_image_2_1:
+        from omni_ray.checkpoints import tiny21
+
+        out = tiny21.write_checkpoint(args.out_dir, seed=args.seed, size=args.size)
+        print(f"wrote a {args.size} Qwen-Image 2.1 checkpoint (seed {args.seed}) to {out}")
+        return
     edit = args.edit or args.edit_plus
     out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size, edit=edit, plus=args.edit_plus)
     kind = "Qwen-Image-Edit-2509/2511" if args.edit_plus else "Qwen-Image-Edit" if args.edit else "Qwen-Image"
