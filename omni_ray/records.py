@@ -85,6 +85,8 @@ class PromptEmbeds:
     """One prompt's embeddings, as they travel to the DiT stage (CPU, contiguous)."""
 
     embeds: torch.Tensor  # [num_tokens, hidden]
+    image_slots: torch.Tensor | None = None  # Qwen-Image 2.1: bool [num_tokens], True at the condition images'
+    # vision tokens (<|image_pad|>), each of which the DiT widens to the 2x2 latent tokens of its tile
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +102,7 @@ class EncodeRequest:
     prompt: str
     negative_prompt: str | None = None  # given only when the request runs true CFG
     images: tuple[np.ndarray, ...] = ()  # edits: the input images as the encoder reads them, uint8 [H, W, 3] each
+    # (Qwen-Image 2.1: [H, W, 3] or RGBA [H, W, 4], at their working size; the encoder reads alpha over white)
 
 
 @dataclass(slots=True)
@@ -133,6 +136,8 @@ class DenoiseParams:
     scheduler: tuple[tuple[str, object], ...] = ()  # scheduler settings over the checkpoint's (an adapter's recipe):
     # the request's own sigmas; never splits a batch
     inpaint: Inpaint | None = None  # a masked edit: its mask and strength; never splits a batch
+    sigmas: tuple[float, ...] | None = None  # Qwen-Image 2.1: the sigmas to sample with (the checkpoint's
+    # sample_sigmas, num_inference_steps of them); None: evenly spaced from 1, as diffusers' pipelines
 
     def __post_init__(self) -> None:
         if any(not self.first_step < step < self.num_inference_steps for step in self.previews):
@@ -226,7 +231,8 @@ class DenoiseOutput:
 class Latents:
     """Packed latents, as they travel from the DiT (or an edit's image encode) to the VAE (CPU, contiguous)."""
 
-    latents: torch.Tensor  # [image_tokens, 64]
+    latents: torch.Tensor  # [image_tokens, 64]: 2x2-packed 16-channel latents (Qwen-Image 2.1: its 64 channels
+    # unpatched, one token per 16x16 pixels, row-major)
     height: int
     width: int
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, the stages so far
@@ -312,7 +318,7 @@ class VaeBatch:
 class Decoded:
     """A request's result, per its output mode; crosses to the coordinator (plain numpy and CPU tensors)."""
 
-    pixels: np.ndarray | None  # [H, W, 3] uint8
+    pixels: np.ndarray | None  # [H, W, 3] uint8 (Qwen-Image 2.1: RGBA, [H, W, 4])
     latents: Latents | None
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, every stage
     dit_passes: dict[str, int] = field(default_factory=dict)  # the DiT's passes computed and reused (Latents')
