@@ -313,7 +313,8 @@ CrossEngineCoordinator = serve.ingress(build_api(CrossEngineCoordinator))(CrossE
 
 async def _image_file(result: Decoded, request: ImageGenerationRequest) -> bytes:
     """The image file of one result, written on a thread (a large PNG takes a good part of a second)."""
-    return await asyncio.to_thread(write_image_file, result.pixels, request.output_format, request.output_compression)
+    return await asyncio.to_thread(write_image_file, result.pixels, request.output_format, request.output_compression,
+                                   request.background != "opaque")
 
 
 def _count_failure(err: OmniRayError) -> None:

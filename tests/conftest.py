@@ -36,6 +36,17 @@ def edit_plus_dir(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def tiny21_dir(tmp_path_factory) -> pathlib.Path:
+    """The tiny Qwen-Image 2.1 checkpoint (seed 0), written by the command users run:
+    `python -m omni_ray.checkpoints.tiny DIR --qwen-image-2-1`."""
+    from omni_ray.checkpoints.tiny import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-2.1"
+    main([str(out), "--qwen-image-2-1"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_adapters(tiny_dir, tmp_path_factory) -> dict[str, str]:
     """Two LoRA adapters of the tiny checkpoint, by name, of different ranks (the parallel tests)."""
     from testing.lora_files import make_adapter

@@ -55,7 +55,7 @@ def load_input_images(files: Sequence[bytes], config: PipelineConfig) -> InputIm
     vae, encoder = [], []
     for number, data in enumerate(files, 1):
         which = f"image {number} of {len(files)}: " if len(files) > 1 else ""
-        image = open_input_image(data, edit.max_image_bytes, which)
+        image = open_input_image(data, edit.max_image_bytes, which, rgba=config.family == "qwen-image-2.1")
         vae.append(_resized(image, config, edit.image_area, f"{which}a {image.width}x{image.height} image's working "))
         if edit.plus:
             encoder.append(_resized(image, config, edit.condition_area, ""))
@@ -138,9 +138,10 @@ def mask_grid(repaint, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(binary[::VAE_COMPRESSION, ::VAE_COMPRESSION])
 
 
-def open_input_image(data: bytes, max_bytes: int, which: str = ""):
-    """An uploaded file as an RGB PIL image, its EXIF orientation applied; every refusal names ``image`` and starts
-    with ``which`` (which of several files it is)."""
+def open_input_image(data: bytes, max_bytes: int, which: str = "", rgba: bool = False):
+    """An uploaded file as an RGB PIL image (with ``rgba``, RGBA: Qwen-Image 2.1's VAE reads alpha, opaque where
+    the file has none, as its pipeline converts), its EXIF orientation applied; every refusal names ``image`` and
+    starts with ``which`` (which of several files it is)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
@@ -164,7 +165,7 @@ def open_input_image(data: bytes, max_bytes: int, which: str = ""):
             f"image: {which}{image.width}x{image.height} is more than {MAX_INPUT_PIXELS} pixels", param="image"
         )
     try:
-        return ImageOps.exif_transpose(image).convert("RGB")  # decodes the whole file
+        return ImageOps.exif_transpose(image).convert("RGBA" if rgba else "RGB")  # decodes the whole file
     except Exception as err:
         raise RequestError(f"image: {which}the file is corrupt or truncated ({err})", param="image") from None
 
@@ -192,11 +193,16 @@ def working_size(width: int, height: int, area: int) -> tuple[int, int]:
 
 
 def resize_image(image, height: int, width: int) -> np.ndarray:
-    """An RGB PIL image resized to (height, width) as diffusers' ``VaeImageProcessor.resize`` does for PIL images
-    (Lanczos), as uint8 ``[H, W, 3]``."""
+    """A PIL image resized to (height, width) as diffusers' ``VaeImageProcessor.resize`` does for PIL images
+    (Lanczos), as uint8 ``[H, W, 3]`` (RGBA: ``[H, W, 4]``)."""
     from PIL import Image
 
     return np.asarray(image.resize((width, height), resample=Image.LANCZOS))
+
+
+def keeps_alpha(output_format: OutputFormat, alpha: bool = True) -> bool:
+    """Whether an RGBA image keeps its alpha channel in a file of this format."""
+    return alpha and output_format != "jpeg"
 
 
 # PNG's deflate with zlib's run-length strategy: after PNG's row filters a photograph leaves few repeats for deflate's
@@ -204,10 +210,14 @@ def resize_image(image, height: int, width: int) -> np.ndarray:
 _PNG_OPTIONS = {"compress_type": zlib.Z_RLE}
 
 
-def write_image_file(pixels: np.ndarray, output_format: OutputFormat, compression: int | None = None) -> bytes:
-    """uint8 ``[H, W, 3]`` pixels as a PNG, JPEG or WebP file."""
+def write_image_file(pixels: np.ndarray, output_format: OutputFormat, compression: int | None = None,
+                     alpha: bool = True) -> bytes:
+    """uint8 ``[H, W, 3]`` pixels, or RGBA ``[H, W, 4]`` (Qwen-Image 2.1's), as a PNG, JPEG or WebP file; the alpha
+    channel is dropped for a JPEG, which has none, or without ``alpha`` (the request's ``background: opaque``)."""
     from PIL import Image
 
+    if pixels.shape[-1] == 4 and not keeps_alpha(output_format, alpha):
+        pixels = np.ascontiguousarray(pixels[..., :3])
     buffer = io.BytesIO()
     if output_format == "png":
         options = _PNG_OPTIONS

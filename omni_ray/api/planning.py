@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from omni_ray import qwen_image21
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig, SamplingRecipe
 from omni_ray.errors import NotFoundError, RequestError
@@ -54,6 +55,8 @@ class GenerationPlan:
     input_tokens: TokenCount = TokenCount(0)  # what the encoder reads: the prompt, and the negative with true CFG
     timeout_s: float = 600.0  # the request's deadline: its own `timeout`, or the preset's requests.timeout_s
     tenant: str = ""  # who the DiT shares steps fairly between: the caller's API key's name, or `user`
+    sigmas: tuple[float, ...] | None = None  # Qwen-Image 2.1 left at the checkpoint's steps: its sample_sigmas
+    rgba: bool = False  # the images come with an alpha channel (Qwen-Image 2.1's VAE draws RGBA)
 
     def __post_init__(self) -> None:
         if self.true_cfg_scale is None:
@@ -66,7 +69,7 @@ class GenerationPlan:
         params = DenoiseParams(
             self.height, self.width, self.num_inference_steps, self.seed + index, self.true_cfg_scale, self.cache,
             self.lora, true_cfg=self.true_cfg, priority=request.priority, tenant=self.tenant,
-            scheduler=self.scheduler, inpaint=self.inpaint,
+            scheduler=self.scheduler, inpaint=self.inpaint, sigmas=self.sigmas,
         )
         previews = preview_steps(request.partial_images if request.stream else 0, params.steps_run)
         return dataclasses.replace(params, previews=tuple(params.first_step + step for step in previews))
@@ -126,11 +129,16 @@ def plan_request(
     true_cfg_scale = request.true_cfg_scale
     if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in request.model_fields_set:
         true_cfg_scale = recipe.true_cfg_scale
+    elif config.family == qwen_image21.FAMILY and "true_cfg_scale" not in request.model_fields_set:
+        true_cfg_scale = 1.0  # 2.1 samples without guidance unless asked, as its pipeline
     # 3. The size, a masked edit's mask, and the steps.
     height, width = resolve_size(request, config, inputs.sizes[-1] if inputs is not None and inputs.conditions
                                  else None)
     inpaint = check_mask(request, inputs, height, width)
     steps = resolve_steps(request, config, recipe, inpaint)
+    sigmas = checkpoint_sigmas(request, config, recipe)
+    if sigmas is not None:
+        steps = len(sigmas)
     # 4. True CFG, decided once; what the encoder reads, within its limit.
     true_cfg = uses_true_cfg(true_cfg_scale, request.negative_prompt is not None)
     input_tokens = count_input_tokens(request, config, count_tokens, inputs, true_cfg)
@@ -153,13 +161,33 @@ def plan_request(
         input_tokens=input_tokens,
         timeout_s=request.timeout or config.requests.timeout_s,
         tenant=request.user or "",
+        sigmas=sigmas,
+        rgba=config.family == qwen_image21.FAMILY,
     )
+
+
+def checkpoint_sigmas(request: ImageGenerationRequest, config: PipelineConfig, recipe: SamplingRecipe | None
+                      ) -> tuple[float, ...] | None:
+    """A Qwen-Image 2.1 request that sets no steps (nor quality, nor an adapter's recipe steps): the checkpoint's
+    ``sample_sigmas``, as its pipeline samples when called without ``sigmas``; None otherwise."""
+    if config.family != qwen_image21.FAMILY or config.sample_sigmas is None:
+        return None
+    if request.num_inference_steps is not None or request.quality != "auto":
+        return None
+    if recipe is not None and recipe.num_inference_steps:
+        return None
+    return config.sample_sigmas
 
 
 def check_fields(request: ImageGenerationRequest, config: PipelineConfig) -> None:
     """The fields OpenAI's schema takes but this server cannot honour, and its own bounds."""
-    if request.background == "transparent":
-        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque", param="background")
+    family_21 = config.family == qwen_image21.FAMILY
+    if request.background == "transparent" and not family_21:
+        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque (Qwen-Image 2.1 draws "
+                           "RGBA)", param="background")
+    if family_21 and "cache" in request.model_fields_set and request.cache is not None:
+        raise RequestError("cache: DiT cache acceleration is Qwen-Image's; Qwen-Image 2.1 keeps its condition's keys "
+                           "and values across steps instead", param="cache")
     if request.style is not None:
         raise RequestError("style: a dall-e-3 setting that Qwen-Image does not have; describe the style in the "
                            "prompt", param="style")
@@ -170,7 +198,7 @@ def check_fields(request: ImageGenerationRequest, config: PipelineConfig) -> Non
                            param="timeout")
     for field in ("prompt", "negative_prompt"):
         text = getattr(request, field) or ""
-        if config.edit is not None and any(token in text for token in VISION_TOKENS):
+        if (config.edit is not None or family_21) and any(token in text for token in VISION_TOKENS):
             raise RequestError(f"{field}: must not contain Qwen2.5-VL's vision tokens ({', '.join(VISION_TOKENS)})",
                                param=field)
 
@@ -259,6 +287,14 @@ def check_route(config: PipelineConfig, has_image: bool, has_mask: bool = False)
     """Raises RequestError (param ``image``, or ``mask``) when a request's modality is not the preset's: an edit
     preset serves /v1/images/edits (images and a prompt, a mask but on Edit-Plus), any other
     /v1/images/generations (a prompt) and, with a mask, /v1/images/edits (diffusers' text-to-image inpainting)."""
+    if has_mask and config.family == qwen_image21.FAMILY:
+        raise RequestError(f"mask: {config.name!r} is a Qwen-Image 2.1 model, which diffusers defines no masked edit "
+                           "for; masks work on Qwen-Image and Qwen-Image-Edit presets", param="mask")
+    if config.family == qwen_image21.FAMILY:  # generations always; edits with the preset's `edit`
+        if has_image and config.edit is None:
+            raise RequestError(f"image: {config.name!r} takes no condition images (its preset has no `edit`); use "
+                               "/v1/images/generations", param="image")
+        return
     if has_mask and config.edit is not None and config.edit.plus:
         raise RequestError(f"mask: {config.name!r} edits several images, which diffusers defines no masked edit "
                            "for; masks work on Qwen-Image and Qwen-Image-Edit presets", param="mask")
@@ -293,12 +329,13 @@ def resolve_size(
 
 
 def check_sides(width: int, height: int, config: PipelineConfig, param: str, what: str = "") -> None:
-    """Raises RequestError (naming ``param``) unless both sides are multiples of Qwen-Image's and within the
-    preset's limits."""
+    """Raises RequestError (naming ``param``) unless both sides are multiples of the family's (Qwen-Image's 16,
+    Qwen-Image 2.1's 32) and within the preset's limits."""
     limits = config.requests
+    check = qwen_image21.check_side if config.family == qwen_image21.FAMILY else check_side
     for name, side in (("width", width), ("height", height)):
         try:
-            check_side(name, side)
+            check(name, side)
         except ValueError as err:
             raise RequestError(f"{param}: {what}{err}", param=param) from None
         if not limits.min_side <= side <= limits.max_side:

@@ -15,6 +15,7 @@ import base64
 import json
 import time
 
+from omni_ray.api.images import keeps_alpha
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.errors import OmniRayError
 from omni_ray.qwen_image import image_tokens
@@ -120,7 +121,10 @@ def output_fields(plan: GenerationPlan, event: bool = False) -> dict:
     OpenAI's three sizes or absent from a response (where it is optional), "auto" in an event (where it is
     required): the image itself has its size."""
     size = f"{plan.width}x{plan.height}"
-    fields = {"quality": plan.quality, "background": "opaque", "output_format": plan.request.output_format}
+    request = plan.request
+    transparent = plan.rgba and keeps_alpha(request.output_format, request.background != "opaque")
+    fields = {"quality": plan.quality, "background": "transparent" if transparent else "opaque",
+              "output_format": request.output_format}
     if size in OPENAI_SIZES or event:
         fields["size"] = size if size in OPENAI_SIZES else "auto"
     return fields
