@@ -20,6 +20,7 @@ diffusers' QwenImageEditPipeline is the reference for edits, with two settings:
 from __future__ import annotations
 
 import contextlib
+import math
 import io
 from unittest import mock
 
@@ -235,3 +236,14 @@ class PromptEncoder:
                 for ids in token_ids
             ]
         return [to_prompt_embeds(h, self.tokenizer.template, self.max_sequence_length) for h in hidden]
+
+
+def reference21(pipe, seed: int, images: list[Image.Image] | None = None, image_area: int = 64 * 64,
+                **kwargs) -> np.ndarray:
+    """uint8 ``[H, W, 4]`` (RGBA): diffusers' ``QwenImage21Pipeline`` with the preset's condition area
+    (``edit.image_area``) as its ``output_resolution`` squared, the seed's CPU generator, and ``kwargs``."""
+    side = math.isqrt(image_area)
+    assert side * side == image_area, "the pipeline takes a square area"
+    pixels = pipe(image=images, output_resolution=side, generator=torch.Generator("cpu").manual_seed(seed),
+                  output_type="np", **kwargs)
+    return (pixels.images[0] * 255).round().astype(np.uint8)
