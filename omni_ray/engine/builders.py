@@ -29,21 +29,25 @@ from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, Simu
 from omni_ray.runners.transformers_encoder import TransformersEncoder
 from omni_ray.runners.vae import VaeRunner
 from omni_ray.runners.vllm_encoder import VllmEncoder
-from omni_ray.tokenizer import PromptTokenizer
+from omni_ray.tokenizer import tokenizer_for
 
 logger = logging.getLogger(__name__)
 
 
 def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
     """vLLM's engine core on the text encoder (with its vision tower for edits), or transformers' Qwen2.5-VL, or the
-    simulated encoder, under the encoder's core. vLLM binds threads for its whole process: give it its own."""
+    simulated encoder, under the encoder's core. vLLM binds threads for its whole process: give it its own.
+
+    ``family: qwen-image-2.1``: Qwen3-VL, prompt and condition images (up to ``edit.max_images``, at their working
+    size) in one sequence, the pre-norm states of its last layer; ``Qwen21Tokenizer``'s raw template, system turn
+    dropped and image slots marked (``PromptEmbeds.image_slots``)."""
     stage = config.encoder
-    tokenizer = PromptTokenizer(config.model, config.prompt_template)
+    tokenizer = tokenizer_for(config)
     if stage.runner == "simulated":
         encoder = SimulatedEncoder(getattr(torch, stage.dtype), stage.max_num_seqs)
     elif stage.runner == "transformers":
         encoder = TransformersEncoder(config.model, tokenizer, getattr(torch, stage.dtype), stage.device,
-                                      stage.max_num_seqs, dummy=config.weights == "dummy")
+                                      stage.max_num_seqs, dummy=config.weights == "dummy", family=config.family)
     else:
         encoder = VllmEncoder(
             config.model,
@@ -55,11 +59,12 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
             max_images=config.edit.max_images if config.edit is not None else 0,
             dummy=config.weights == "dummy",
             gpu_memory_utilization=stage.gpu_memory_utilization,
+            family=config.family,
         )
     cache = None
     if stage.cache_bytes:
         checkpoint = f"{config.model}:{config.weights}:{stage.runner}"
-        cache = PromptCache(stage.cache_bytes, checkpoint, config.prompt_template.key)
+        cache = PromptCache(stage.cache_bytes, checkpoint, tokenizer.template.key)
     return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache)
 
 

@@ -2,7 +2,8 @@
 
 vLLM schedules and batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and
 the negative prompt for true CFG; for an edit each with the input images), and returns the request once all its
-texts are encoded, template dropped. With the prompt cache on (``encoder.cache_bytes``), a text whose embeddings it
+texts are encoded, template dropped (for Qwen-Image 2.1 with the image slots its tokenizer marks,
+``Qwen21Tokenizer.image_slots``). With the prompt cache on (``encoder.cache_bytes``), a text whose embeddings it
 holds is not encoded again, and one identical to a text vLLM is encoding waits for that one.
 """
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from omni_ray.engine.output import EngineCoreOutput, StepError
-from omni_ray.engine.prompt_cache import PromptCache
+from omni_ray.engine.prompt_cache import PromptCache, copy_embeds
 from omni_ray.engine.stats import EncoderStats, PromptCacheStats
 from omni_ray.qwen_image import PromptTemplate
 from omni_ray.records import EncodedPrompt, EncodeRequest, PromptEmbeds
@@ -48,6 +49,7 @@ class _Sequence:
 
     key: bytes | None  # its prompt-cache key
     readers: list[tuple[str, Part]]  # (request id, part)
+    image_slots: np.ndarray | None = None  # Qwen-Image 2.1: its tokens that are image slots, after the drop
 
 
 class EncoderEngineCore:
@@ -91,8 +93,9 @@ class EncoderEngineCore:
             self.sequences[self.running[key]].readers.append(reader)
             return
         sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
+        slots = self.tokenizer.image_slots(token_ids, tuple(image.shape[:2] for image in request.images))
         self.encoder.add(sequence_id, token_ids, request.images)
-        self.sequences[sequence_id] = _Sequence(key, [reader])
+        self.sequences[sequence_id] = _Sequence(key, [reader], slots)
         if key is not None:
             self.running[key] = sequence_id
 
@@ -126,12 +129,12 @@ class EncoderEngineCore:
             if sequence_id not in self.sequences:  # aborted while vLLM ran it
                 continue
             sequence = self._forget(sequence_id)
-            embeds = to_prompt_embeds(hidden, self.tokenizer.template, self.max_sequence_length)
+            embeds = to_prompt_embeds(hidden, self.tokenizer.template, self.max_sequence_length, sequence.image_slots)
             self.num_encoded += 1
             if sequence.key is not None:
                 self.cache.put(sequence.key, embeds)
             for i, (request_id, part) in enumerate(sequence.readers):  # each reader its own tensor
-                self.pending[request_id][part] = embeds if i == 0 else PromptEmbeds(embeds.embeds.clone())
+                self.pending[request_id][part] = embeds if i == 0 else copy_embeds(embeds)
         outputs = []
         for request_id, parts in list(self.pending.items()):  # those the step finished, and cache hits
             if all(embeds is not None for embeds in parts.values()):
@@ -157,10 +160,20 @@ class EncoderEngineCore:
         self.encoder.shutdown()
 
 
-def to_prompt_embeds(hidden: torch.Tensor, template: PromptTemplate, max_sequence_length: int) -> PromptEmbeds:
+def to_prompt_embeds(hidden: torch.Tensor, template: PromptTemplate, max_sequence_length: int,
+                     image_slots: np.ndarray | None = None) -> PromptEmbeds:
     """Drops the template's system tokens from one sequence's last hidden state ``[num_tokens, hidden]``, as
-    diffusers' ``encode_prompt`` does (text to image also cuts at ``max_sequence_length``)."""
+    diffusers' ``encode_prompt`` does (text to image also cuts at ``max_sequence_length``). Qwen-Image 2.1's
+    ``image_slots`` (after the drop, from the token ids) ride along as a bool tensor, the pipeline's
+    ``image_pad_mask``."""
+    import torch
+
     hidden = hidden[template.drop :]
     if template.truncates:
         hidden = hidden[:max_sequence_length]
-    return PromptEmbeds(hidden.detach().cpu().contiguous())
+    if image_slots is None:
+        return PromptEmbeds(hidden.detach().cpu().contiguous())
+    if len(image_slots) != hidden.shape[0]:
+        raise RuntimeError(f"the encoder returned {hidden.shape[0]} tokens after the template's, but the token ids "
+                           f"with their images' vision tokens are {len(image_slots)}")
+    return PromptEmbeds(hidden.detach().cpu().contiguous(), torch.from_numpy(np.array(image_slots, dtype=bool)))

@@ -1,7 +1,8 @@
 """The encoder's prompt-embedding cache: a least-recently-used map bounded in bytes.
 
 A text's embeddings are a function of the checkpoint, the token ids the template made of the prompt (template text,
-truncation and prompt all in them) and, for an edit, the input images' pixels. The key is a SHA-256 of exactly
+truncation and prompt all in them; for Qwen-Image 2.1 its raw template for that number of images) and, for an edit,
+the input images' pixels (2.1's image slots follow from the same). The key is a SHA-256 of exactly
 those, so two prompts that differ in one character, or images that differ in one pixel, never share an entry; and
 a hit returns a copy of the stored tensor, which no caller can change in place.
 """
@@ -56,18 +57,27 @@ class PromptCache:
             return None
         self.num_hits += 1
         self._entries.move_to_end(key)
-        return PromptEmbeds(embeds.embeds.clone())
+        return copy_embeds(embeds)
 
     def put(self, key: bytes, embeds: PromptEmbeds) -> None:
         size = _nbytes(embeds)
         if key in self._entries or size > self.max_bytes:
             return
-        self._entries[key] = PromptEmbeds(embeds.embeds.clone())
+        self._entries[key] = copy_embeds(embeds)
         self.nbytes += size
         while self.nbytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.nbytes -= _nbytes(evicted)
 
 
+def copy_embeds(embeds: PromptEmbeds) -> PromptEmbeds:
+    """A copy no holder of ``embeds`` can change: its tensor, and its image slots (Qwen-Image 2.1) with it."""
+    slots = embeds.image_slots
+    return PromptEmbeds(embeds.embeds.clone(), None if slots is None else slots.clone())
+
+
 def _nbytes(embeds: PromptEmbeds) -> int:
-    return embeds.embeds.element_size() * embeds.embeds.nelement()
+    size = embeds.embeds.element_size() * embeds.embeds.nelement()
+    if embeds.image_slots is not None:
+        size += embeds.image_slots.element_size() * embeds.image_slots.nelement()
+    return size

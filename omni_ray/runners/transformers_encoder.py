@@ -7,6 +7,9 @@ as one right-padded batch with an attention mask, as diffusers' ``encode_prompt`
 images alone, each placeholder expanded to its image's tokens, as diffusers' edit pipelines run each prompt with its
 images. It is slower than vLLM (no continuous batching, padding) and holds the vision tower even for text to image,
 but needs nothing beyond transformers: pick it where vLLM cannot be installed.
+
+For Qwen-Image 2.1 (``family``) the model is Qwen3-VL, its image processor the one in ``processor/``, and the state
+it returns is the last decoder layer's before the final norm, as ``QwenImage21Pipeline`` hooks it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from omni_ray import qwen_image21
 from omni_ray.runners.vision import VisionInputs
 from omni_ray.tokenizer import PromptTokenizer
 
@@ -29,18 +33,27 @@ class _Sequence:
 
 class TransformersEncoder:
     def __init__(self, model: str, tokenizer: PromptTokenizer, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", max_num_seqs: int = 8, dummy: bool = False):
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+                 device: str = "cpu", max_num_seqs: int = 8, dummy: bool = False, family: str = "qwen-image"):
+        from transformers import (
+            Qwen2_5_VLConfig,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen3VLConfig,
+            Qwen3VLForConditionalGeneration,
+        )
 
         from omni_ray.runners.random_weights import random_model
         from omni_ray.runners.vllm_encoder import local_subfolder
 
+        family21 = family == qwen_image21.FAMILY
+        model_class, config_class = ((Qwen3VLForConditionalGeneration, Qwen3VLConfig) if family21
+                                     else (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig))
         path = local_subfolder(model, "text_encoder")
         if dummy:
-            self.model = random_model(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig.from_pretrained(path),
-                                      dtype, device)
+            self.model = random_model(model_class, config_class.from_pretrained(path), dtype, device)
         else:
-            self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+            self.model = model_class.from_pretrained(path, dtype=dtype).to(device).eval()
+        if family21:  # the pipeline's hook: the final norm hands on its input
+            self.model.model.language_model.norm.register_forward_hook(lambda module, args, output: args[0])
         self.tokenizer = tokenizer
         self.vision = VisionInputs(model) if tokenizer.template.has_image else None
         self.max_num_seqs = max_num_seqs

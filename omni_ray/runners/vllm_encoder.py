@@ -1,7 +1,9 @@
-"""The encoder stage's forward pass: Qwen2.5-VL under vLLM's V1 ``EngineCore``, in this process.
+"""The encoder stage's forward pass: Qwen2.5-VL (Qwen-Image) or Qwen3-VL (Qwen-Image 2.1) under vLLM's V1
+``EngineCore``, in this process.
 
 Token ids (and for edits their images) in, each token's last hidden state out; ``tokenizer`` builds the ids and drops
-the template's tokens from the result.
+the template's tokens from the result. For Qwen-Image 2.1 the state is the last decoder layer's output before the
+language model's final norm, as ``QwenImage21Pipeline`` takes it (``_skip_final_norm``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 
 import numpy as np
 import torch
+
+from omni_ray import qwen_image21
 
 
 def local_subfolder(model: str, subfolder: str) -> str:
@@ -60,6 +64,12 @@ class VllmEncoder:
     ``max_images`` images a sequence: vLLM's input processor runs Qwen2.5-VL's image processor, expands each image
     placeholder and places the vision embeddings (with their M-RoPE positions) in the sequence; without it, only the
     language model loads. Call it from one thread.
+
+    ``family`` ``qwen-image-2.1``: Qwen3-VL from ``text_encoder/`` with its processor (and tokenizer) from
+    ``processor/``; every sequence goes through vLLM's input processor (its M-RoPE positions, and Qwen3-VL's deepstack
+    of vision features into the first layers when it has images), and the language model's final RMSNorm is replaced
+    by its residual add alone, so the pooled states are the last decoder layer's, before the norm. RGBA images are
+    read with alpha over white (``vision.to_pil``).
     """
 
     def __init__(
@@ -73,6 +83,7 @@ class VllmEncoder:
         max_images: int = 1,
         dummy: bool = False,
         gpu_memory_utilization: float = 0.9,
+        family: str = "qwen-image",
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Left on, vLLM replaces the process's logging set-up on import, and a Serve replica loses its log file.
@@ -85,6 +96,8 @@ class VllmEncoder:
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
         vision = max_image_pixels is not None
+        self.family21 = family == qwen_image21.FAMILY
+        tokenizer = local_subfolder(model, "processor" if self.family21 else "tokenizer")
         if vision:
             # Images reach the encoder already resized to about the preset's area, so the processor's own bound
             # never binds; it sizes vLLM's encoder budget (its default, 16k tokens per image, would be profiled).
@@ -97,7 +110,7 @@ class VllmEncoder:
         else:
             modality = {"model": local_subfolder(model, "text_encoder"), "language_model_only": True}
         self.config = EngineArgs(
-            tokenizer=local_subfolder(model, "tokenizer"),
+            tokenizer=tokenizer,
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -111,20 +124,24 @@ class VllmEncoder:
             load_format="dummy" if dummy else "auto",  # dummy: vLLM's random weights, from the config alone
             **modality,
         ).create_engine_config()
-        self.core = EngineCore(self.config, _loopback_executor(UniProcExecutor), log_stats=False)
+        executor = _loopback_executor(UniProcExecutor)
+        if self.family21:
+            executor = _skip_final_norm(executor)
+        self.core = EngineCore(self.config, executor, log_stats=False)
         self.pooling_params = PoolingParams(task="token_embed", use_activation=False)
         self.pooling_params.verify(self.config.model_config)
-        self.input_processor = InputProcessor(self.config) if vision else None
+        self.input_processor = InputProcessor(self.config) if vision or self.family21 else None
 
     def add(self, request_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
         """Queues one sequence; with ``images``, its i-th ``<|image_pad|>`` token stands for the i-th image."""
         from vllm.v1.engine import EngineCoreRequest
 
-        if images:
-            from PIL import Image
+        if images or self.family21:
+            from omni_ray.runners.vision import to_pil
 
-            pictures = [Image.fromarray(image) for image in images]
-            prompt = {"prompt_token_ids": token_ids, "multi_modal_data": {"image": pictures}}
+            prompt = {"prompt_token_ids": token_ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": [to_pil(image) for image in images]}
             request = self.input_processor.process_inputs(
                 request_id, prompt, self.pooling_params, supported_tasks=("token_embed",)
             )
@@ -174,3 +191,39 @@ def _loopback_executor(uniproc_executor: type) -> type:
             return get_distributed_init_method(get_loopback_ip(), get_open_port()), rank, local_rank
 
     return LoopbackUniProcExecutor
+
+
+def _skip_final_norm(uniproc_executor: type) -> type:
+    """vLLM's in-process executor whose loaded model's language model ends without its final RMSNorm.
+
+    vLLM's decoder layers hand on (hidden, residual) unsummed and the final ``RMSNorm(hidden, residual)`` fuses the
+    residual add into the norm; Qwen-Image 2.1 reads the last layer's output before the norm (the pipeline hooks the
+    norm to return its input). The norm's ``forward`` on the loaded module becomes the add alone, before the engine's
+    first (profiling) forward, so every pass of this engine sees it. Eager only (``enforce_eager``): a compiled graph
+    would have traced the module's own forward.
+    """
+
+    class PreNormUniProcExecutor(uniproc_executor):
+        def _init_executor(self) -> None:
+            super()._init_executor()
+            final_norm(self.driver_worker.worker.model_runner.model).forward = _residual_add
+
+    return PreNormUniProcExecutor
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model's final norm in vLLM's model (``language_model.model.norm`` for Qwen3-VL, wrapped or not
+    by the pooling adapter; ``model.norm`` for a text-only model)."""
+    modules = dict(model.named_modules())
+    for name in ("language_model.model.norm", "model.language_model.model.norm", "model.norm"):
+        if name in modules:
+            return modules[name]
+    raise RuntimeError(f"no final norm in {type(model).__name__}'s modules")
+
+
+def _residual_add(hidden: torch.Tensor, residual: torch.Tensor | None = None):
+    """``RMSNorm.forward``'s contract without the norm: the sum, in both places of the fused (out, residual) pair."""
+    if residual is None:
+        return hidden
+    hidden = hidden + residual
+    return hidden, hidden
