@@ -58,7 +58,7 @@ from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError
 from omni_ray.records import Decoded
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
-from omni_ray.tokenizer import PromptTokenizer
+from omni_ray.tokenizer import tokenizer_for
 
 logger = logging.getLogger("ray.serve")
 MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each may take seconds and 100s of MB
@@ -95,7 +95,7 @@ class CrossEngineCoordinator:
                unready: Callable[[], list[str]]) -> None:
         self.stages = stages
         self.config = config
-        self.tokenizer = PromptTokenizer(config.model, config.prompt_template)  # counts a prompt's tokens
+        self.tokenizer = tokenizer_for(config)  # counts a prompt's tokens
         self.adapters = Adapters(config, adapters, started=int(time.time()))
         self.api_keys = api_keys
         self.unready = unready

@@ -40,7 +40,7 @@ from omni_ray.records import (
     upstream_timings,
 )
 from omni_ray.request_path import DenoiseEvent, RequestEvent, Stages, collect, run_request
-from omni_ray.tokenizer import PromptTokenizer
+from omni_ray.tokenizer import tokenizer_for
 
 DEFAULT_PRESET = pathlib.Path(__file__).resolve().parent.parent / "stage_configs" / "qwen_image_tiny.yaml"
 
@@ -103,7 +103,7 @@ class Pipeline:
     def __init__(self, config: PipelineConfig, stages: LocalStages | None = None):
         self.config = checkpoints.ensure(config)
         self.stages = stages or LocalStages.from_config(config)
-        self.tokenizer = PromptTokenizer(config.model, config.prompt_template)
+        self.tokenizer = tokenizer_for(config)
 
     def events(
         self,
