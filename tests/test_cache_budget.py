@@ -2,16 +2,24 @@
 ``dit.cache_memory_bytes``, wait otherwise, and the bytes held are reported. Fake runners: no model is loaded."""
 
 import asyncio
+import json
+import logging
 
 import pytest
+import torch
 from test_schedulers import FakeRunner, assert_no_trace, request, run, step
 
+from omni_ray import qwen_image21
+from omni_ray.config import ConfigError, load_config
 from omni_ray.engine.async_engine import AsyncEngine
+from omni_ray.engine.builders import build_dit_core, condition_cache_size
+from omni_ray.engine.condition_cache import ConditionCacheSize, condition_tokens
 from omni_ray.engine.core import DiTEngineCore
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.stats import ConditionCacheStats
 from omni_ray.errors import EngineError
+from omni_ray.records import DenoiseParams, DenoiseRequest, PromptEmbeds
 
 
 def budgeted(budget, sizes, policy=None, max_batch_size=8):
@@ -148,3 +156,79 @@ def test_tenants_take_turns_for_the_room_as_they_take_rows():
     # The room "heavy0" and "heavy1" leave goes first to the tenant that used the DiT least, then to "heavy2".
     assert run(scheduler, runner, 3) == [["heavy0", "heavy1"], ["heavy2", "light"], ["heavy2", "light"]]
     assert "heavy3" not in runner.steps
+
+
+# --- what a Qwen-Image 2.1 request's cache takes -------------------------------------------------------------------
+
+
+def embeds(tokens, slots=0):
+    image_slots = torch.zeros(tokens, dtype=torch.bool)
+    image_slots[1:1 + slots] = True
+    return PromptEmbeds(torch.zeros(tokens, 4), image_slots if slots else None)
+
+
+def test_a_requests_cache_counts_each_branch_with_its_image_slots_widened():
+    assert condition_tokens(embeds(10)) == 10 and condition_tokens(embeds(10, slots=4)) == 10 + 3 * 4
+    size = ConditionCacheSize(num_layers=2, inner_dim=64, dtype_bytes=2)
+    plain = DenoiseRequest("p", DenoiseParams(64, 64, 2, 0), embeds(10, slots=4), embeds(5))
+    assert size(plain) == qwen_image21.cache_bytes(22, 2, 64, 2) == 2 * 22 * 2 * 64 * 2  # no CFG: the prompt's alone
+    cfg = DenoiseRequest("c", DenoiseParams(64, 64, 2, 0, 4.0, true_cfg=True), embeds(10, slots=4), embeds(5, 1))
+    assert size(cfg) == qwen_image21.cache_bytes(22, 2, 64, 2) + qwen_image21.cache_bytes(8, 2, 64, 2)
+
+
+def checkpoint21(root, with_config=True):
+    root.mkdir()
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "QwenImage21Pipeline"}))
+    if with_config:
+        (root / "transformer").mkdir()
+        (root / "transformer" / "config.json").write_text(
+            json.dumps({"num_layers": 3, "num_attention_heads": 2, "attention_head_dim": 32, "patch_size": 1}))
+    return root
+
+
+def preset21(model, **dit):
+    config = load_config("stage_configs/qwen_image_2_1_tiny.yaml", model=str(model))
+    return config.model_copy(update={"dit": config.dit.model_copy(update={"runner": "simulated", **dit})})
+
+
+def test_build_dit_core_bounds_qwen_image_21s_caches_from_its_transformer_config(tmp_path):
+    config = preset21(checkpoint21(tmp_path / "ckpt"))
+    scheduler = build_dit_core(config).scheduler
+    assert scheduler.cache_memory_bytes == config.dit.cache_memory_bytes == 64 * 2**20
+    assert scheduler.cache_bytes == ConditionCacheSize(num_layers=3, inner_dim=64, dtype_bytes=4)  # float32
+    assert condition_cache_size(preset21(tmp_path / "ckpt", dtype="bfloat16")).dtype_bytes == 2
+    qwen_image = load_config("stage_configs/qwen_image_tiny.yaml", model=str(tmp_path / "missing"))
+    assert condition_cache_size(qwen_image) is None
+
+
+def test_without_the_transformer_config_a_bound_refuses_to_start_and_no_bound_goes_uncounted(tmp_path, caplog):
+    model = checkpoint21(tmp_path / "ckpt", with_config=False)
+    with pytest.raises(ConfigError, match="dit.cache_memory_bytes.*transformer/config.json"):
+        condition_cache_size(preset21(model))
+    with caplog.at_level(logging.WARNING):
+        assert condition_cache_size(preset21(model, cache_memory_bytes=None)) is None
+    assert "uncounted" in caplog.text
+
+
+def test_a_hub_checkpoints_config_comes_from_the_hugging_face_cache_or_hub_and_its_absence_is_none(tmp_path,
+                                                                                                    monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    fetched = checkpoint21(tmp_path / "snapshot") / "transformer" / "config.json"
+    asked = []
+
+    def download(repo, filename):
+        asked.append((repo, filename))
+        return str(fetched)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert ConditionCacheSize.from_checkpoint("Qwen/Qwen-Image-2.1", 2, local=False) == ConditionCacheSize(3, 64, 2)
+    assert asked == [("Qwen/Qwen-Image-2.1", "transformer/config.json")]
+
+    def offline(repo, filename):
+        raise LocalEntryNotFoundError("not in the cache, and offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    assert ConditionCacheSize.from_checkpoint("Qwen/Qwen-Image-2.1", 2, local=False) is None
+    assert ConditionCacheSize.from_checkpoint(str(tmp_path / "nowhere"), 2) is None
