@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -95,6 +96,12 @@ class DiT(StageDeployment):
             return
         metrics.queued_work.set(self.load.seconds(), tags=self.tags)
         metrics.paused_requests.set(stats.core.paused, tags=self.tags)
+        cache = stats.core.condition_cache
+        if cache is not None:
+            metrics.condition_cache_bytes.set(cache.bytes, tags=self.tags)
+            metrics.condition_cache_waiting.set(cache.waiting, tags=self.tags)
+            if cache.budget is not None:
+                metrics.condition_cache_budget_bytes.set(cache.budget, tags=self.tags)
 
     async def _count_passes(self, items: AsyncIterator) -> AsyncIterator:
         async for item in items:
@@ -107,8 +114,11 @@ class DiT(StageDeployment):
     def stats(self) -> dict:
         """The engine's counters, its steps by how many requests each advanced (the step-level batching), the
         request-steps that admitted requests sat out, paused, the seconds compiling took at start (``compile``),
-        and the adapters it holds."""
+        the adapters it holds, and Qwen-Image 2.1's condition caches (``condition_cache``: the bytes held, the
+        budget, the requests waiting for room; None for Qwen-Image)."""
         core = self.engine.stats.core
+        cache = core.condition_cache
         return {**super().stats(), "batch_sizes": core.batch_sizes, "warmup_s": core.warmup_s,
                 "paused_request_steps": core.paused_request_steps,
-                "loras": [name for name, _ in self.loras.resident], "lora_loads": self.loras.num_loads}
+                "loras": [name for name, _ in self.loras.resident], "lora_loads": self.loras.num_loads,
+                "condition_cache": dataclasses.asdict(cache) if cache is not None else None}

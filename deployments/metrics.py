@@ -75,6 +75,24 @@ paused_requests = metrics.Gauge(
     "omni_dit_paused_requests", description="Admitted DiT requests the last step paused for more urgent ones.",
     tag_keys=("stage",),
 )
+condition_cache_bytes = metrics.Gauge(
+    "omni_dit_condition_cache_bytes",
+    description="Qwen-Image 2.1: bytes of the condition caches (text and condition-image keys and values, per CFG "
+    "branch) the DiT's admitted requests hold.",
+    tag_keys=("stage",),
+)
+condition_cache_budget_bytes = metrics.Gauge(
+    "omni_dit_condition_cache_budget_bytes",
+    description="Qwen-Image 2.1: the bytes the DiT's condition caches may take together (dit.cache_memory_bytes); "
+    "set only when bounded.",
+    tag_keys=("stage",),
+)
+condition_cache_waiting = metrics.Gauge(
+    "omni_dit_condition_cache_waiting_requests",
+    description="Qwen-Image 2.1: requests the DiT's last step left in its queue because their condition cache did "
+    "not fit the room left.",
+    tag_keys=("stage",),
+)
 finish_estimate = metrics.Histogram(
     "omni_finish_estimate_seconds",
     description="The coordinator's estimate, as each request arrives, of the seconds the DiT would take to finish it "

@@ -7,7 +7,8 @@ import logging
 
 import torch
 
-from omni_ray.config import DiTConfig, PipelineConfig, VAEConfig
+from omni_ray.config import ConfigError, DiTConfig, PipelineConfig, VAEConfig
+from omni_ray.engine.condition_cache import ConditionCacheSize
 from omni_ray.engine.core import DiTEngineCore, EngineCore, ModelRunner
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
@@ -83,11 +84,34 @@ def create_split(stage: DiTConfig) -> SplitPolicy:
     return FixedSplit(stage.parallel.split, ranks)
 
 
+def condition_cache_size(config: PipelineConfig) -> ConditionCacheSize | None:
+    """What a request's condition cache takes (Qwen-Image 2.1's; None for Qwen-Image's, which keeps none), from the
+    checkpoint's ``transformer/config.json`` in ``dit.dtype``. A checkpoint whose config cannot be had here (a hub id
+    neither in the Hugging Face cache nor downloadable) raises ConfigError when ``dit.cache_memory_bytes`` bounds the
+    caches (a bound that cannot be counted is not kept silently); without a bound, the DiT runs uncounted (its stats'
+    ``condition_cache`` None), with a warning."""
+    if config.family != "qwen-image-2.1":
+        return None
+    size = ConditionCacheSize.from_checkpoint(config.model, getattr(torch, config.dit.dtype).itemsize,
+                                              local=config.is_local)
+    if size is not None:
+        return size
+    where = "directory" if config.is_local else "hub checkpoint (neither in the Hugging Face cache nor downloadable)"
+    if config.dit.cache_memory_bytes is not None:
+        raise ConfigError(f"dit.cache_memory_bytes: the condition caches cannot be counted without the checkpoint's "
+                          f"transformer/config.json, which model: {config.model!r} ({where}) does not have here")
+    logger.warning("model %r (%s) has no transformer/config.json here: the DiT's condition caches go uncounted",
+                   config.model, where)
+    return None
+
+
 def build_dit_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None) -> DiTEngineCore:
-    """The DiT's core, its runner on ``dit.parallel``'s ranks (``stage_runner``)."""
+    """The DiT's core, its runner on ``dit.parallel``'s ranks (``stage_runner``); for Qwen-Image 2.1, its scheduler
+    admits requests within ``dit.cache_memory_bytes`` of condition caches (``condition_cache_size``)."""
     stage = config.dit
     scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, create_policy(stage),
-                             split=create_split(stage))
+                             split=create_split(stage), cache_bytes=condition_cache_size(config),
+                             cache_memory_bytes=stage.cache_memory_bytes)
     return DiTEngineCore(scheduler, stage_runner(stage, functools.partial(build_dit_runner, config), executor_factory))
 
 

@@ -91,7 +91,7 @@ class DiTEngineCore(EngineCore):
     def stats(self) -> DiTStats:
         scheduler = self.scheduler
         return DiTStats(self.step_times.snapshot(), dict(scheduler.batch_sizes), scheduler.num_paused,
-                        scheduler.num_paused_steps, getattr(self.runner, "warmup_s", None))
+                        scheduler.num_paused_steps, getattr(self.runner, "warmup_s", None), scheduler.cache_stats())
 
     @property
     def lora_shapes(self) -> dict[str, tuple[int, int]]:

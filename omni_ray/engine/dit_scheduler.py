@@ -27,6 +27,16 @@ aging: the oldest key's requests in arrival order, up to ``max_batch_size``).
   weighs (omni_ray/engine/dit_split.py: a rows step also keeps each rank within its share of the budget):
   ``FixedSplit`` one, ``PerStepSplit`` both, and it chooses which the step runs (``DenoiseBatch.split``). A step
   holding a row with cache acceleration runs sequence, as the runner would.
+- **Condition cache.** Qwen-Image 2.1 keeps each request's condition cache (its text and condition-image keys and
+  values, per CFG branch) from its first step to its end, paused or not, as an LLM keeps its KV cache. Given a budget
+  (``cache_memory_bytes``, and ``cache_bytes``: a request's bytes), the scheduler admits a request only while the
+  bytes of the admitted ones (unfinished, not aborted) and its own fit it; they are released when it finishes, fails
+  or is aborted. Waiting requests are taken for admission in the order a step takes rows: by effective priority,
+  then by tenant turns, then by arrival; the first one that does not fit stops admission for the step, so no request
+  behind it in that order (as urgent and a later turn, or less urgent) slips into the room it waits for: only more
+  urgent requests go ahead of it, and aging lifts it above those in time, so it is never starved. Admitted requests
+  keep stepping meanwhile and free the room as they finish. A request whose cache alone passes the budget fails at
+  once (``add_request`` raises EngineError): it could never run.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from omni_ray.engine.dit_policy import PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.dit_split import FixedSplit, Split, SplitPolicy, StepPlan
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
+from omni_ray.engine.stats import ConditionCacheStats
+from omni_ray.errors import EngineError
 from omni_ray.records import BatchKey, DenoiseBatch, DenoiseOutput, DenoiseRequest
 
 USAGE_HALFLIFE_STEPS = 50
@@ -56,16 +68,23 @@ class _Entry:
     tenant: str
     arrived_turn: float  # turns run before it arrived (DiTScheduler.num_turns)
     seq: int  # arrival number
+    cache_bytes: int = 0  # its condition cache, held from its admission to its end (0 when not counted)
     admitted: bool = False  # the runner holds its state
     starved_s: float = 0.0  # time it sat out steps that ran more urgent requests
 
 
 class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def __init__(self, max_batch_size: int, max_wait_steps: int, policy: SchedulingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, split: SplitPolicy | None = None):
+                 clock: Callable[[], float] = time.monotonic, split: SplitPolicy | None = None,
+                 cache_bytes: Callable[[DenoiseRequest], int] | None = None, cache_memory_bytes: int | None = None):
         """``policy`` unset: priorities and tenants with no token budget, no bound on pauses and no aging. ``split``
-        unset: one rank."""
+        unset: one rank. ``cache_bytes``: the bytes of a request's condition cache (Qwen-Image 2.1), counted while it
+        is admitted; unset, nothing is counted. ``cache_memory_bytes``: what the admitted requests' caches may take
+        together (needs ``cache_bytes``); unset, no bound."""
         assert max_batch_size > 0 and max_wait_steps > 0
+        assert cache_memory_bytes is None or (cache_bytes is not None and cache_memory_bytes > 0)
+        self.cache_bytes = cache_bytes
+        self.cache_memory_bytes = cache_memory_bytes
         self.max_batch_size = max_batch_size
         self.max_wait_steps = max_wait_steps
         self.policy = policy if policy is not None else PriorityPolicy()
@@ -88,20 +107,38 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self.last_step_at: float | None = None  # the clock when the last step was scheduled
         self.num_paused = 0  # admitted requests the last step did not run
         self.num_paused_steps = 0  # request-steps admitted requests sat out
+        self.num_cache_waiting = 0  # waiting requests the last step left in the queue for want of cache room
 
     @property
     def max_batch_tokens(self) -> int | None:
         """Work tokens one step may take, the policy's; None: no bound."""
         return self.policy.max_batch_tokens
 
+    @property
+    def cache_bytes_held(self) -> int:
+        """Bytes of the condition caches the admitted requests hold (0 when not counted)."""
+        return sum(entry.cache_bytes for entry in self.entries.values() if entry.admitted)
+
+    def cache_stats(self) -> ConditionCacheStats | None:
+        """The condition caches' figures; None when they are not counted (``cache_bytes`` unset)."""
+        if self.cache_bytes is None:
+            return None
+        return ConditionCacheStats(self.cache_bytes_held, self.cache_memory_bytes, self.num_cache_waiting)
+
     # --- the scheduler contract ------------------------------------------------------------------------------------
 
     def add_request(self, request: DenoiseRequest) -> None:
+        """Raises EngineError, holding nothing, when the request's condition cache alone passes the budget."""
         assert request.request_id not in self.entries, f"duplicate request id {request.request_id}"
+        cache_bytes = self.cache_bytes(request) if self.cache_bytes is not None else 0
+        if self.cache_memory_bytes is not None and cache_bytes > self.cache_memory_bytes:
+            raise EngineError(f"request {request.request_id}: its condition cache takes {cache_bytes} bytes, more than "
+                              f"the DiT's whole budget for them (dit.cache_memory_bytes: {self.cache_memory_bytes} "
+                              "bytes): it could never run")
         priority, tenant = self.policy.priority_and_tenant(request)
         self.entries[request.request_id] = _Entry(
             request, request.batch_key, request.work_tokens, 2 if request.params.true_cfg else 1,
-            request.params.cache is not None, priority, tenant, self.num_turns, self.num_arrivals)
+            request.params.cache is not None, priority, tenant, self.num_turns, self.num_arrivals, cache_bytes)
         self.num_arrivals += 1
 
     def finish_requests(self, request_ids: list[str]) -> None:
@@ -114,7 +151,8 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def schedule(self) -> DenoiseBatch:
         freed = self.take_freed_ids()
         self._age()
-        plan = self._plan(list(self.entries.values()))
+        admissible = self._admissible([e for e in self.entries.values() if not e.admitted])
+        plan = self._plan([e for e in self.entries.values() if e.admitted or id(e) in admissible])
         max_paused = self.policy.max_paused
         if plan is not None and max_paused is not None and self._paused_after(plan.rows) > max_paused:
             plan = self._plan([e for e in self.entries.values() if e.admitted])  # the queue waits instead
@@ -186,14 +224,39 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
             return plans.get("sequence") or self.shapes["sequence"].plan(offered)
         return plans[self.split.choose(plans)]
 
+    def _admissible(self, waiting: list[_Entry]) -> set[int]:
+        """The ``id`` of each waiting request this step may admit: all of them without a cache budget; with one,
+        those taken in turn order (``_in_turn``) until the first whose cache does not fit the room the admitted ones
+        leave (and those before it take)."""
+        if self.cache_memory_bytes is None:
+            self.num_cache_waiting = 0
+            return {id(entry) for entry in waiting}
+        room = self.cache_memory_bytes - self.cache_bytes_held
+        admissible: set[int] = set()
+        for entry in self._in_turn(waiting, self._urgency(waiting), len(waiting)):
+            if entry.cache_bytes > room:
+                break
+            room -= entry.cache_bytes
+            admissible.add(id(entry))
+        self.num_cache_waiting = len(waiting) - len(admissible)
+        return admissible
+
+    def _urgency(self, entries: list[_Entry]) -> dict[int, int]:
+        """``id`` of each entry -> its effective priority."""
+        return {id(entry): self.policy.effective_priority(entry.priority, entry.starved_s) for entry in entries}
+
     def _turns(self, candidates: list[_Entry], limit: int) -> list[_Entry]:
         """Up to ``limit`` of the key's rows among ``candidates`` in the order a step takes them: by urgency and tenant
         turns."""
-        urgency = {id(entry): self.policy.effective_priority(entry.priority, entry.starved_s) for entry in candidates}
+        urgency = self._urgency(candidates)
         key = self._pick_key(candidates, urgency)
+        return self._in_turn([e for e in candidates if e.key == key], urgency, limit)
+
+    def _in_turn(self, entries: list[_Entry], urgency: dict[int, int], limit: int) -> list[_Entry]:
+        """Up to ``limit`` of ``entries`` in the order a step takes rows: by urgency; within it, each to the tenant
+        that used the DiT least lately, a tenant's admitted requests before its waiting ones, oldest first."""
         classes: dict[int, dict[str, deque[_Entry]]] = defaultdict(lambda: defaultdict(deque))
-        for entry in sorted((e for e in candidates if e.key == key),
-                            key=lambda e: (urgency[id(e)], not e.admitted, e.seq)):
+        for entry in sorted(entries, key=lambda e: (urgency[id(e)], not e.admitted, e.seq)):
             classes[urgency[id(entry)]][entry.tenant].append(entry)  # dicts keep order: admitted, then oldest
         rows: list[_Entry] = []
         taken: Counter[str] = Counter()  # tokens each tenant took in this step

@@ -31,6 +31,16 @@ class EncoderStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ConditionCacheStats:
+    """Qwen-Image 2.1's condition caches in the DiT: keys and values of each admitted request's text and
+    condition-image tokens in every block, per CFG branch, held from its first step to its end."""
+
+    bytes: int  # held by the admitted requests (unfinished, not aborted)
+    budget: int | None  # what they may take together (dit.cache_memory_bytes); None: no bound
+    waiting: int  # requests the last step left in the queue because their cache did not fit the room left
+
+
+@dataclass(frozen=True, slots=True)
 class DiTStats:
     """The DiT core's figures."""
 
@@ -39,6 +49,7 @@ class DiTStats:
     paused: int  # admitted requests the last step did not run
     paused_request_steps: int  # request-steps admitted requests sat out
     warmup_s: float | None  # seconds compiling took at start (dit.compile), None without
+    condition_cache: ConditionCacheStats | None = None  # Qwen-Image 2.1's; None when not counted (Qwen-Image)
 
 
 @dataclass(frozen=True, slots=True)
