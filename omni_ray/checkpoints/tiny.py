@@ -31,63 +31,10 @@ import pathlib
 
 import torch
 
+from omni_ray.checkpoints.parts import CORPUS, SCHEDULER_CONFIG, SPECIAL_TOKENS, TRANSFORMER_SIZES, randomised
 from omni_ray.qwen_image import TEMPLATES
 
-# Qwen2.5-VL's special tokens, in Qwen's order, so that the vision path (image editing) finds them too.
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-# Qwen/Qwen-Image's scheduler/scheduler_config.json.
-SCHEDULER_CONFIG = {
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "invert_sigmas": False,
-    "max_image_seq_len": 8192,
-    "max_shift": 0.9,
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "shift_terminal": 0.02,
-    "stochastic_sampling": False,
-    "time_shift_type": "exponential",
-    "use_beta_sigmas": False,
-    "use_dynamic_shifting": True,
-    "use_exponential_sigmas": False,
-    "use_karras_sigmas": False,
-}
-
 TEXT_HIDDEN_SIZE = 64  # two heads of 32
-TRANSFORMER_SIZES = {
-    # name: (num_layers, num_attention_heads); heads are 32 wide
-    "tiny": (2, 2),
-    "small": (4, 4),
-}
-
-_CORPUS = (
-    "A photo of a red cat sitting on a wooden table next to a blue cup of coffee.",
-    "An oil painting of a lighthouse at sunset, with waves crashing against the rocks.",
-    "A watercolor of mountains and a lake in the morning mist, soft green and grey tones.",
-    "A neon sign that reads open in a rainy city street at night, reflections on the road.",
-    "Close-up of a yellow flower with water drops, a bee flying in the background.",
-    "A small robot reading a book in a quiet library, warm light from the window.",
-    "Two children flying a kite on a beach under a bright summer sky.",
-    "A bowl of fruit: apples, oranges, bananas and grapes on a white plate.",
-)
-
-
 def build_tokenizer():
     """A byte-level BPE in Qwen2's format, trained on the prompt template and a few captions."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -111,7 +58,7 @@ def build_tokenizer():
     template_texts = list(dict.fromkeys(  # Edit-Plus drops Edit's system turn
         template.dropped_text.replace("<|im_start|>", "").replace("<|im_end|>", "") for template in TEMPLATES
     ))
-    bpe.train_from_iterator(template_texts * 64 + list(_CORPUS) * 8 + ["assistant\n"] * 64, trainer=trainer)
+    bpe.train_from_iterator(template_texts * 64 + list(CORPUS) * 8 + ["assistant\n"] * 64, trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
 
@@ -195,7 +142,7 @@ def build_text_encoder(tokenizer, seed: int):
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    return _randomised(Qwen2_5_VLForConditionalGeneration(config), seed)
+    return randomised(Qwen2_5_VLForConditionalGeneration(config), seed)
 
 
 def build_transformer(size: str, seed: int):
@@ -213,7 +160,7 @@ def build_transformer(size: str, seed: int):
         joint_attention_dim=TEXT_HIDDEN_SIZE,
         axes_dims_rope=(8, 12, 12),
     )
-    return _randomised(model, seed + 1)
+    return randomised(model, seed + 1)
 
 
 def build_vae(seed: int):
@@ -232,26 +179,7 @@ def build_vae(seed: int):
         latents_mean=[round(x, 4) for x in latents_mean],
         latents_std=[round(x, 4) for x in latents_std],
     )
-    return _randomised(model, seed + 3)
-
-
-def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Redraws every parameter from one seeded generator.
-
-    Default initialisers zero some output projections (so a random model would predict nothing) and draw from the
-    global generator; here every weight is drawn, scaled by its fan-in so activations stay of order one.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 1 and ("norm" in name or name.endswith("gamma")):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-            elif param.ndim == 1:
-                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
-            else:
-                fan_in = param[0].numel()
-                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
-    return model.eval()
+    return randomised(model, seed + 3)
 
 
 def write_checkpoint(

@@ -22,7 +22,7 @@ import pathlib
 
 import torch
 
-from omni_ray.checkpoints.tiny import _CORPUS, SCHEDULER_CONFIG, SPECIAL_TOKENS, TRANSFORMER_SIZES, _randomised
+from omni_ray.checkpoints.parts import CORPUS, SCHEDULER_CONFIG, SPECIAL_TOKENS, TRANSFORMER_SIZES, randomised
 from omni_ray.qwen_image21 import SYSTEM_PROMPT, SYSTEM_TURN, template
 
 TEXT_HIDDEN_SIZE = 64  # two heads of 32
@@ -63,7 +63,7 @@ def build_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     words = [SYSTEM_PROMPT, "system\n", "user\n", "assistant\n"] + [f"<image{i}>" for i in (1, 2, 3)]
-    bpe.train_from_iterator(words * 64 + list(_CORPUS) * 8, trainer=trainer)
+    bpe.train_from_iterator(words * 64 + list(CORPUS) * 8, trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token="<|im_end|>",
@@ -129,7 +129,7 @@ def build_text_encoder(tokenizer, seed: int):
         dtype="float32",
     )
     torch.manual_seed(seed)
-    return _randomised(Qwen3VLForConditionalGeneration(config), seed)
+    return randomised(Qwen3VLForConditionalGeneration(config), seed)
 
 
 def build_transformer(size: str, seed: int):
@@ -142,7 +142,7 @@ def build_transformer(size: str, seed: int):
         num_attention_heads=num_heads, context_in_dim=TEXT_HIDDEN_SIZE, mlp_ratio=3, axes_dims_rope=(8, 12, 12),
         causal_condition=True,
     )
-    return _randomised(model, seed + 1)
+    return randomised(model, seed + 1)
 
 
 def build_vae(seed: int):
@@ -157,7 +157,7 @@ def build_vae(seed: int):
         temperal_downsample=[False, True, True, True],
         latents_mean=[round(x, 4) for x in latents_mean], latents_std=[round(x, 4) for x in latents_std],
     )
-    return _randomised(model, seed + 3)
+    return randomised(model, seed + 3)
 
 
 def write_checkpoint(out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny") -> pathlib.Path:
