@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import REPO
 
+from omni_ray import qwen_image21
 from omni_ray.checkpoints.full_size import CONFIG_DIR, published_configs
 from omni_ray.qwen_image import PUBLISHED_PARAMS
 
@@ -22,8 +23,11 @@ def test_gpu_dry_run_builds_the_full_size_models_with_the_published_parameter_co
     assert set(report["params"]) == {"transformer", "vae", "text_encoder"}
     for name, count in report["params"].items():
         assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, name
-    assert list(report["params_by_configs"]) == published_configs() == ["qwen-image", "qwen-image-edit-2511"]
-    assert all(params == report["params"] for params in report["params_by_configs"].values())
+    assert list(report["params_by_configs"]) == published_configs() == [
+        "qwen-image", "qwen-image-2.1", "qwen-image-edit-2511"]
+    by_configs = report["params_by_configs"]
+    assert all(by_configs[name] == report["params"] for name in ("qwen-image", "qwen-image-edit-2511"))
+    assert by_configs["qwen-image-2.1"] == qwen_image21.PUBLISHED_PARAMS  # another architecture (test_full_size21)
     assert 20.3e9 < report["params"]["transformer"] < 20.5e9
     placement = report["placement"]
     assert placement["preset"] == "stage_configs/qwen_image_shared.yaml"
@@ -142,7 +146,7 @@ def test_the_edit_plus_and_2511_presets_load_and_are_edit_plus_presets_over_qwen
     from omni_ray.config import PipelineConfig, load_config
     from testing.full_size import build_meta, parameter_counts
 
-    assert list(typing.get_args(PipelineConfig.model_fields["configs"].annotation)) == published_configs()
+    assert sorted(typing.get_args(PipelineConfig.model_fields["configs"].annotation)) == sorted(published_configs())
     presets = REPO / "stage_configs"
     for name in ("qwen_image_edit_plus", "qwen_image_edit_plus_dummy", "qwen_image_edit_plus_tiny",
                  "qwen_image_edit_2511", "qwen_image_edit_2511_dummy"):

@@ -1,8 +1,9 @@
 """Offline checkpoints in diffusers' layout, and the one step that writes the one a preset names.
 
-``tiny`` writes a small random Qwen-Image (the CPU presets and the tests), ``dummy`` the full-size published configs
-without weights (``weights: dummy``), ``full_size`` holds those configs. Loading a preset never writes;
-``ensure`` does, and the app builder, the in-process pipeline and ``make`` call it.
+``tiny`` writes a small random Qwen-Image (the CPU presets and the tests; ``tiny21`` Qwen-Image 2.1), ``dummy`` the
+full-size published configs without weights (``weights: dummy``; Qwen-Image's or 2.1's), ``full_size`` holds those
+configs. Loading a preset never writes; ``ensure`` does, and the app builder, the in-process pipeline and ``make``
+call it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def ensure(config: PipelineConfig) -> PipelineConfig:
     if config.build_if_missing == "dummy" and not model_dir.exists():
         from omni_ray.checkpoints.dummy import write_dummy_checkpoint
 
-        write_dummy_checkpoint(model_dir, edit=edit, plus=plus, configs=config.configs)
+        if config.family == "qwen-image-2.1":  # one layout serves its generations and edits
+            write_dummy_checkpoint(model_dir, configs=config.configs)
+        else:
+            write_dummy_checkpoint(model_dir, edit=edit, plus=plus, configs=config.configs)
     elif config.build_if_missing and not model_dir.exists() and config.family == "qwen-image-2.1":
         from omni_ray.checkpoints import tiny21
 

@@ -5,6 +5,7 @@
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit      # Qwen-Image-Edit's layout: the same, plus processor/
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit-plus # Qwen-Image-Edit-2509's: as --edit, Edit-Plus's pipeline
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit-plus --configs qwen-image-edit-2511  # 2511's: zero_cond_t
+    python -m omni_ray.checkpoints.dummy OUT_DIR --configs qwen-image-2.1  # Qwen-Image 2.1's (QwenImage21Pipeline)
 
 The directory is in diffusers' layout with every component's config and no weight file; a preset with
 ``weights: dummy`` builds each stage from it with random weights on its device, in its dtype (the encoder through
@@ -15,6 +16,11 @@ tokens), its vocabulary padded to Qwen's 151,643 regular tokens so that Qwen's s
 (``<|endoftext|>`` 151643 ... ``<|image_pad|>`` 151655). Prompts tokenise to more tokens than with Qwen's vocabulary
 (about one per 1.5 characters of ordinary text, against one per 4), which lengthens the text part of a DiT step a
 little.
+
+A Qwen-Image 2.1 checkpoint (``--configs qwen-image-2.1``) has one layout for generations and edits, its own:
+``processor/`` holds the same tokenizer (``model_max_length`` as published), Qwen3-VL's image processor with the
+published settings (``processor/preprocessor_config.json`` of the configs) and a chat template reduced to what the
+pipeline renders (its system turn as Qwen's); there is no ``tokenizer/`` folder.
 """
 
 from __future__ import annotations
@@ -25,12 +31,12 @@ import os
 import pathlib
 import shutil
 
-from omni_ray.checkpoints.full_size import BASE_CONFIGS, published_configs, write_configs
+from omni_ray.checkpoints.full_size import BASE_CONFIGS, MODEL_CONFIGS, pipeline_class, published_configs, write_configs
 
 QWEN_REGULAR_TOKENS = 151_643  # Qwen2's vocabulary before its special tokens
 
 
-def qwen_sized_tokenizer():
+def qwen_sized_tokenizer(model_max_length: int = 131072):
     """The tiny tokenizer with its vocabulary padded so that the special tokens take Qwen's ids."""
     from transformers import Qwen2Tokenizer
 
@@ -47,7 +53,7 @@ def qwen_sized_tokenizer():
         unk_token=None,
         eos_token=None,
         pad_token=None,
-        model_max_length=131072,
+        model_max_length=model_max_length,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})  # in Qwen's order
     tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
@@ -61,12 +67,18 @@ def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = Non
     Qwen-Image-Edit's layout: its pipeline class and Qwen2.5-VL's processor (``processor/``) for the vision path;
     ``plus`` (with ``edit``) names Qwen-Image-Edit-2509's and 2511's pipeline class, ``QwenImageEditPlusPipeline``,
     instead. The edit checkpoints' transformer, VAE and text encoder have Qwen-Image's architecture (2511's
-    transformer sets ``zero_cond_t``: ``configs="qwen-image-edit-2511"``)."""
+    transformer sets ``zero_cond_t``: ``configs="qwen-image-edit-2511"``). ``configs="qwen-image-2.1"`` writes Qwen-Image
+    2.1's layout, which serves edits as it is (neither ``edit`` nor ``plus``)."""
     if plus and not edit:
         raise ValueError("plus: an Edit-Plus checkpoint is an edit one; set edit as well")
     out = pathlib.Path(out_dir).expanduser()
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
+    if pipeline_class(configs) == "QwenImage21Pipeline":
+        if edit:
+            raise ValueError("edit: a Qwen-Image 2.1 checkpoint has one layout, which serves edits as it is")
+        _write_21(partial, configs, layers)
+        return _publish(partial, out)
     write_configs(configs, partial, ignore=shutil.ignore_patterns("tokenizer"))
     if layers is not None:
         _edit(partial / "transformer" / "config.json", lambda c: c.update(num_layers=layers))
@@ -82,6 +94,28 @@ def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = Non
         pipeline = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
         _edit(partial / "model_index.json", lambda c: c.update(
             _class_name=pipeline, processor=["transformers", "Qwen2VLProcessor"]))
+    return _publish(partial, out)
+
+
+def _write_21(partial: pathlib.Path, configs: str, layers: int | None) -> None:
+    """Qwen-Image 2.1's configs and ``processor/`` (the Qwen-sized tokenizer, the published image processor
+    settings, the chat template) to ``partial``."""
+    from omni_ray.checkpoints.tiny21 import build_processor
+
+    write_configs(configs, partial, ignore=shutil.ignore_patterns("processor"))
+    if layers is not None:
+        _edit(partial / "transformer" / "config.json", lambda c: c.update(num_layers=layers))
+        _edit(partial / "text_encoder" / "config.json", lambda c: (
+            c["text_config"].update(num_hidden_layers=layers),
+            c["vision_config"].update(depth=layers, deepstack_visual_indexes=[layers - 1])))
+    settings = MODEL_CONFIGS / configs / "processor"
+    tokenizer_config = json.loads((settings / "tokenizer_config.json").read_text())
+    tokenizer = qwen_sized_tokenizer(model_max_length=tokenizer_config["model_max_length"])
+    image_processor_config = json.loads((settings / "preprocessor_config.json").read_text())
+    build_processor(tokenizer, image_processor_config).save_pretrained(partial / "processor")
+
+
+def _publish(partial: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     try:
         partial.rename(out)  # whole or not at all: replicas starting together see a complete directory
     except OSError:  # another process wrote it first
@@ -99,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m omni_ray.checkpoints.dummy", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", help="directory to write to")
     parser.add_argument("--layers", type=int, default=None,
-                        help="transformer blocks, language-model layers and vision blocks (default: Qwen-Image's "
-                        "60, 28 and 32)")
+                        help="transformer blocks, language-model layers and vision blocks (default: the "
+                        "published ones: Qwen-Image's 60, 28 and 32; Qwen-Image 2.1's 32, 36 and 27)")
     layout = parser.add_mutually_exclusive_group()
     layout.add_argument("--edit", action="store_true", help="Qwen-Image-Edit's layout (with processor/)")
     layout.add_argument("--edit-plus", action="store_true",
@@ -111,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     edit = args.edit or args.edit_plus
     out = write_dummy_checkpoint(args.out_dir, args.layers, edit=edit, plus=args.edit_plus, configs=args.configs)
     kind = "Qwen-Image-Edit-2509/2511" if args.edit_plus else "Qwen-Image-Edit" if args.edit else "Qwen-Image"
+    if pipeline_class(args.configs) == "QwenImage21Pipeline":
+        kind = "Qwen-Image 2.1"
     print(f"wrote a weightless {kind} ({args.configs} configs) to {out}")
 
 

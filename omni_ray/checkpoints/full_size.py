@@ -6,14 +6,17 @@ heads of 128, joint attention dim 3584, 64 input channels), ``vae/config.json`` 
 tokenizer's settings, as published with Qwen/Qwen-Image; they were written through diffusers' and transformers'
 own config classes, whose defaults for these models are the published ones. Nothing here downloads anything.
 
-Other checkpoint families differ from Qwen-Image in a few files: their folder beside it in ``model_configs/``
-holds only those (``qwen-image-edit-2511/``: the transformer's ``zero_cond_t: true``), and ``write_configs`` lays
-them over Qwen-Image's.
+Other checkpoints of Qwen-Image's architecture differ from it in a few files: their folder beside it in
+``model_configs/`` holds only those (``qwen-image-edit-2511/``: the transformer's ``zero_cond_t: true``), and
+``write_configs`` lays them over Qwen-Image's. A folder with a ``model_index.json`` of its own is complete and written
+alone: ``qwen-image-2.1/`` (QwenImage21Pipeline: its transformer, 16x RGBA VAE, Qwen3-VL text encoder, scheduler and
+``processor/`` settings).
 
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 
@@ -29,12 +32,28 @@ def published_configs() -> list[str]:
 
 
 def write_configs(configs: str, out: str | pathlib.Path, ignore=None) -> pathlib.Path:
-    """Writes the published configs ``configs`` names to ``out``: Qwen-Image's, with the files of
-    ``model_configs/<configs>/`` over them. ``ignore`` is ``shutil.copytree``'s."""
+    """Writes the published configs ``configs`` names to ``out``: a complete folder (one with its own
+    ``model_index.json``) as it is, any other as Qwen-Image's with the files of ``model_configs/<configs>/`` over
+    them. ``ignore`` is ``shutil.copytree``'s."""
     if configs not in published_configs():
         raise ValueError(f"configs must be one of {published_configs()}, got {configs!r}")
     out = pathlib.Path(out)
+    if is_complete(configs):
+        return pathlib.Path(shutil.copytree(MODEL_CONFIGS / configs, out, ignore=ignore))
     shutil.copytree(CONFIG_DIR, out, ignore=ignore)
     if configs != BASE_CONFIGS:
         shutil.copytree(MODEL_CONFIGS / configs, out, ignore=ignore, dirs_exist_ok=True)
     return out
+
+
+def is_complete(configs: str) -> bool:
+    """Whether the folder ``configs`` names holds a whole checkpoint's configs (its own ``model_index.json``) rather
+    than the files in which it differs from Qwen-Image."""
+    return (MODEL_CONFIGS / configs / "model_index.json").is_file()
+
+
+def pipeline_class(configs: str) -> str:
+    """diffusers' pipeline class the published configs ``configs`` are for (``model_index.json``'s ``_class_name``;
+    Qwen-Image's for a folder laid over it)."""
+    folder = MODEL_CONFIGS / (configs if is_complete(configs) else BASE_CONFIGS)
+    return json.loads((folder / "model_index.json").read_text())["_class_name"]

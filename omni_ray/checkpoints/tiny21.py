@@ -73,12 +73,15 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_processor(tokenizer):
-    """Qwen3-VL's processor over the tiny tokenizer, with the chat template the pipeline counts its system turn by."""
+def build_processor(tokenizer, image_processor_config: dict = IMAGE_PROCESSOR_CONFIG):
+    """Qwen3-VL's processor over ``tokenizer`` (the tiny one, or the dummy checkpoint's Qwen-sized one), its image
+    processor with ``image_processor_config``'s settings (a ``preprocessor_config.json``'s), and the chat template
+    the pipeline counts its system turn by."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**IMAGE_PROCESSOR_CONFIG), tokenizer=tokenizer,
+    settings = {key: value for key, value in image_processor_config.items() if key in IMAGE_PROCESSOR_CONFIG}
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**settings), tokenizer=tokenizer,
                                  video_processor=Qwen3VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
     dropped = processor.apply_chat_template(
         [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]}], tokenize=True, return_dict=False)
