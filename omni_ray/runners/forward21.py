@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from omni_ray.qwen_image21 import TOKENS_PER_SLOT
 
@@ -126,8 +125,7 @@ def prefill(
     images = latents if condition is None else torch.cat([condition, latents], dim=1)
     hidden = transformer.img_in(images)
     text = transformer.txt_in(text)
-    joint = torch.cat([text, text.new_zeros(1, int(layout.target_tokens.sum()) // TOKENS_PER_SLOT, text.shape[2])],
-                      dim=1)
+    joint = torch.cat([text, text.new_zeros(1, latents.shape[1] // TOKENS_PER_SLOT, text.shape[2])], dim=1)
     joint = joint.repeat_interleave(layout.repeats, dim=1)
     joint[:, layout.image_tokens] = hidden
     # 2. The modulation: the target's timestep, and t = 0 for the condition.
@@ -149,7 +147,7 @@ def prefill(
         joint = _block(block, joint, modulation, attend)
     # 4. The target's prediction.
     prediction = transformer.proj_out(transformer.norm_out(joint[:, condition_tokens:], temb[:1]))
-    return prediction, ConditionCache(keys, values, layout.rope[condition_tokens:])
+    return prediction, ConditionCache(keys, values, layout.rope[condition_tokens:].clone())
 
 
 def decode(
@@ -168,9 +166,8 @@ def decode(
     for index, block in enumerate(transformer.transformer_blocks):
         def attend(attn, x, index=index):
             query, key, value = _project(attn, x, rope)
-            cached = [(cache.keys[index], cache.values[index]) for cache in caches]
-            key = torch.cat([_stack([k for k, _ in cached]), key], dim=1)
-            value = torch.cat([_stack([v for _, v in cached]), value], dim=1)
+            key = _behind([cache.keys[index] for cache in caches], key)
+            value = _behind([cache.values[index] for cache in caches], value)
             return _out(attn, _attention(query, key, value, key_mask))
 
         hidden = _block(block, hidden, modulation, attend)
@@ -234,11 +231,17 @@ def _block_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.cat(out, dim=1)
 
 
-def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Rows of different lengths ``[tokens_i, heads, head_dim]`` right-padded with zeros into one tensor."""
-    if len(rows) == 1:
-        return rows[0].unsqueeze(0)
-    return pad_sequence(rows, batch_first=True)
+def _behind(condition: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    """Each row's cached condition ``[tokens_i, heads, head_dim]``, right-padded with zeros to the longest, then
+    its target tokens' ``target`` ``[rows, target_tokens, heads, head_dim]``: the keys (or values) a cached step
+    attends to, made in one copy."""
+    longest = max(cached.shape[0] for cached in condition)
+    joint = target.new_empty(target.shape[0], longest + target.shape[1], *target.shape[2:])
+    for row, cached in enumerate(condition):
+        joint[row, : cached.shape[0]] = cached
+        joint[row, cached.shape[0] : longest] = 0
+    joint[:, longest:] = target
+    return joint
 
 
 def _key_mask(caches: list[ConditionCache], target_tokens: int, device: torch.device) -> torch.Tensor | None:
