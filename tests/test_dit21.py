@@ -193,6 +193,26 @@ def test_different_prompts_step_together_as_each_alone(pipe, runner):
     assert (together["r0"] - together["r2"]).abs().max() > 0.1  # rows swapping would show
 
 
+def test_the_dit_engine_core_steps_it_as_it_steps_qwen_images(pipe, runner):
+    """The engine core and scheduler hold this runner as they hold ``DenoiseRunner``: one step batch of three."""
+    from omni_ray.engine.core import DiTEngineCore
+    from omni_ray.engine.dit_scheduler import DiTScheduler
+    from testing.engines import run_to_completion
+
+    inputs = Inputs(pipe, condition_images()[:1])
+    requests = [inputs.request(f"r{i}", prompt, "blurry", seed=i)
+                for i, prompt in enumerate(["a red cat", "a lighthouse at sunset over the sea", "a cup"])]
+    alone = {r.request_id: run_alone(runner, r) for r in requests}
+    core = DiTEngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner)
+    for request in requests:
+        core.add_request(request)
+    results, batches = run_to_completion(core)
+    assert batches == [["r0", "r1", "r2"]] * 4
+    for request_id, latents in results.items():
+        assert (latents.latents - alone[request_id]).abs().max().item() <= BATCH_TOLERANCE, request_id
+    assert runner.states == {} and runner.cache_bytes() == 0
+
+
 def test_a_paused_request_keeps_its_cache_and_ends_as_alone(pipe, runner):
     """A request sits out two steps while a more urgent one steps: its cache stays, and both end as alone."""
     inputs = Inputs(pipe, condition_images())
