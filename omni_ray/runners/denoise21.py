@@ -176,10 +176,10 @@ class Denoise21Runner:
         it whole, alone; the cached passes run together."""
         predictions: list[torch.Tensor | None] = [None] * len(passes)
         caches = [state.passes[branch].cache for state, branch in passes]
+        cached = [index for index, cache in enumerate(caches) if cache is not None]
         for index, (state, branch) in enumerate(passes):
             if caches[index] is None:
                 predictions[index], caches[index] = self._prefill(state, branch)
-        cached = [index for index, (state, branch) in enumerate(passes) if state.passes[branch].cache is not None]
         if cached:
             decoded = self._decode([passes[index] for index in cached])
             for row, index in enumerate(cached):
