@@ -658,6 +658,15 @@ class PipelineConfig(_Frozen):
         if self.dit.cache is not None:
             raise ValueError("dit.cache: cache acceleration is Qwen-Image's; Qwen-Image 2.1 caches its condition's "
                              "keys and values instead (dit.cache_memory_bytes)")
+        not_yet = {  # what the Qwen-Image runners have and the 2.1 ones do not yet
+            "dit.compile": self.dit.compile, "dit.quantization": self.dit.quantization != "none",
+            "dit.parallel": self.dit.parallel.world_size > 1, "vae.parallel": self.vae.parallel.world_size > 1,
+            "vae.tiling": self.vae.tiling,
+            "runner": "simulated" in (self.encoder.runner, self.dit.runner, self.vae.runner),
+        }
+        for name, asked in not_yet.items():
+            if asked:
+                raise ValueError(f"{name}: not available for Qwen-Image 2.1 yet (docs/qwen-image-2.1.md)")
         for name in ("default_width", "default_height", "min_side", "max_side"):
             try:
                 qwen_image21.check_side(f"requests.{name}", getattr(self.requests, name))

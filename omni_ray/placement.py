@@ -31,12 +31,14 @@ A Qwen-Image 2.1 preset (``family: qwen-image-2.1``) is estimated from 2.1's pub
   stages are 144 and 288 channels wide against 96 and 192) times ``vae.max_batch_size``, at the larger of the
   largest output and an edit's condition image;
 - encoder: Qwen3-VL-8B's weights (the vision tower's for edits, or always on the transformers runner), vLLM's KV cache,
-  and 2.3 GiB of activations and workspace (Qwen-Image's 2 GiB times the hidden widths' 4,096 / 3,584). A DiT gang (``dit.parallel``) is estimated per rank: the weights diffusers'
-``_tp_plan`` shards divided by ``tensor`` (the modulation Linears, a third of the model, whole on every rank), float8
-bytes for the Linears ``dit.quantization: fp8`` quantizes, and a step's activations divided over its CFG and sequence
-ranks (each holds half the passes, or a chunk of every row's tokens), or, where ``dit.parallel.split`` lets steps run
-rows, the whole passes a rank then holds (its share of ``max_batch_tokens``, one pass at least), if more. A VAE
-gang's rank (``vae.parallel``) is estimated as a whole decode, an upper bound (it holds one band's activations).
+  and 2.3 GiB of activations and workspace (Qwen-Image's 2 GiB times the hidden widths' 4,096 / 3,584).
+
+A DiT gang (``dit.parallel``) is estimated per rank: the weights diffusers' ``_tp_plan`` shards divided by ``tensor``
+(the modulation Linears, a third of the model, whole on every rank), float8 bytes for the Linears ``dit.quantization:
+fp8`` quantizes, and a step's activations divided over its CFG and sequence ranks (each holds half the passes, or a
+chunk of every row's tokens), or, where ``dit.parallel.split`` lets steps run rows, the whole passes a rank then holds
+(its share of ``max_batch_tokens``, one pass at least), if more. A VAE gang's rank (``vae.parallel``) is estimated as a
+whole decode, an upper bound (it holds one band's activations).
 
 A gang (``dit.parallel`` or ``vae.parallel`` above world size 1) is placed as one Ray placement group per replica,
 packed on one node (``STRICT_PACK``): the replica's own bundle, then one per rank (``gang_bundles``). With

@@ -41,7 +41,8 @@ def run(core, requests: list[DenoiseRequest], arrivals: dict[int, DenoiseRequest
 
 def test_a_paused_request_ends_equal_to_itself_run_alone(config):
     alone = run(build_dit_core(config), [request("slow", 11, seed=1, priority=5)])["slow"]
-    core = build_dit_core(config)
+    one_row = config.model_copy(update={"dit": config.dit.model_copy(update={"max_batch_size": 1})})
+    core = build_dit_core(one_row)  # one row a step: the urgent request takes it
     both = run(core, [request("slow", 11, seed=1, priority=5)],
                arrivals={2: request("urgent", 7, seed=2, priority=-5, steps=3)})
     assert core.stats().paused_request_steps >= 3  # the slow one sat out the urgent one's steps

@@ -67,8 +67,8 @@ def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = Non
     Qwen-Image-Edit's layout: its pipeline class and Qwen2.5-VL's processor (``processor/``) for the vision path;
     ``plus`` (with ``edit``) names Qwen-Image-Edit-2509's and 2511's pipeline class, ``QwenImageEditPlusPipeline``,
     instead. The edit checkpoints' transformer, VAE and text encoder have Qwen-Image's architecture (2511's
-    transformer sets ``zero_cond_t``: ``configs="qwen-image-edit-2511"``). ``configs="qwen-image-2.1"`` writes Qwen-Image
-    2.1's layout, which serves edits as it is (neither ``edit`` nor ``plus``)."""
+    transformer sets ``zero_cond_t``: ``configs="qwen-image-edit-2511"``). ``configs="qwen-image-2.1"`` writes
+    Qwen-Image 2.1's layout, which serves edits as it is (neither ``edit`` nor ``plus``)."""
     if plus and not edit:
         raise ValueError("plus: an Edit-Plus checkpoint is an edit one; set edit as well")
     out = pathlib.Path(out_dir).expanduser()

@@ -25,6 +25,7 @@ from omni_ray.engine.executor import (
 from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.runners.denoise import DenoiseRunner
+from omni_ray.runners.denoise21 import Denoise21Runner
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 from omni_ray.runners.transformers_encoder import TransformersEncoder
@@ -131,13 +132,17 @@ def local_gang(stage: DiTConfig | VAEConfig, make_runner: RunnerFactory) -> Exec
     return MultiprocExecutor(make_runner, stage.parallel, gang_backend(stage.device))
 
 
-def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None) -> DenoiseRunner | SimulatedDenoiser:
+def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None
+                     ) -> DenoiseRunner | Denoise21Runner | SimulatedDenoiser:
     """One rank's DiT runner (``mesh`` None: the replica's only one), compiled and warmed up when ``dit.compile``
     says so. Picklable with its config (``functools.partial``), for a gang's ranks to call. A simulated rank
     sleeps the whole gang's step (``SimulatedDenoiser``'s ranks), so a gang of them steps as the gang would."""
     stage = config.dit
     if stage.runner == "simulated":
         return SimulatedDenoiser(getattr(torch, stage.dtype), ranks=stage.parallel.sequence)
+    if config.family == "qwen-image-2.1":
+        return Denoise21Runner.load(config.model, getattr(torch, stage.dtype), stage.device,
+                                    dummy=config.weights == "dummy", max_loras=stage.max_loras, mesh=mesh)
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
                                 quantization=stage.quantization, mesh=mesh)
