@@ -4,21 +4,27 @@ rounding), and a bad request fails alone."""
 
 import functools
 import json
+import pathlib
 import types
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 from PIL import Image
 
+from omni_ray.config import parse_config
+from omni_ray.engine.builders import build_vae_runner
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.errors import OverloadedError
 from omni_ray.records import Decoded, DecodeRequest, ImageEncodeRequest, Latents, VaeBatch
 from omni_ray.runners.vae21 import VaeRunner21
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +203,13 @@ def test_tiling_and_a_gang_are_refused_and_the_vae_given_is_left_as_it_was(refer
     with pytest.raises(ValueError, match="vae.parallel"):
         VaeRunner21(reference, mesh=gang)
 
+
+def test_a_2_1_preset_builds_this_runner(vae_dir):
+    preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_2_1_tiny.yaml").read_text())
+    preset["model"] = str(vae_dir)
+    runner = build_vae_runner(parse_config(preset))
+    assert isinstance(runner, VaeRunner21)
+    out = runner.execute_model(VaeBatch([DecodeRequest("d", latents(0, 64, 64))]))
+    assert out.finished["d"].pixels.shape == (64, 64, 4)
+    preset["weights"] = "dummy"  # built from the checkpoint's VAE config with random weights
+    assert isinstance(build_vae_runner(parse_config(preset)), VaeRunner21)
