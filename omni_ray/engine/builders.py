@@ -30,6 +30,7 @@ from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 from omni_ray.runners.transformers_encoder import TransformersEncoder
 from omni_ray.runners.vae import VaeRunner
+from omni_ray.runners.vae21 import VaeRunner21
 from omni_ray.runners.vllm_encoder import VllmEncoder
 from omni_ray.tokenizer import tokenizer_for
 
@@ -160,10 +161,12 @@ def build_vae_core(config: PipelineConfig, executor_factory: ExecutorFactory | N
     return EngineCore(VaeScheduler(stage.max_batch_size), runner)
 
 
-def build_vae_runner(config: PipelineConfig, mesh: Mesh | None = None) -> VaeRunner | SimulatedVae:
-    """One rank's VAE runner (``mesh`` None: the replica's only one); picklable with its config."""
+def build_vae_runner(config: PipelineConfig, mesh: Mesh | None = None) -> VaeRunner | VaeRunner21 | SimulatedVae:
+    """One rank's VAE runner (``mesh`` None: the replica's only one); picklable with its config. Qwen-Image 2.1's
+    VAE has a runner of its own (``VaeRunner21``, world size 1 and no tiling)."""
     stage = config.vae
     if stage.runner == "simulated":
         return SimulatedVae(getattr(torch, stage.dtype))
-    return VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device, dummy=config.weights == "dummy",
-                          tiling=stage.tiling, mesh=mesh)
+    runner = VaeRunner21 if config.family == "qwen-image-2.1" else VaeRunner
+    return runner.load(config.model, getattr(torch, stage.dtype), stage.device, dummy=config.weights == "dummy",
+                       tiling=stage.tiling, mesh=mesh)
