@@ -13,8 +13,8 @@ from omni_ray.checkpoints.full_size import BASE_CONFIGS, CONFIG_DIR, write_confi
 
 
 def build_meta(config_dir: str | pathlib.Path = CONFIG_DIR) -> dict:
-    """The transformer, VAE and text encoder built from ``config_dir`` on the meta device, by component name: Qwen-Image's
-    classes, or Qwen-Image 2.1's where ``model_index.json`` names ``QwenImage21Pipeline``."""
+    """The transformer, VAE and text encoder built from ``config_dir`` on the meta device, by component name:
+    Qwen-Image's classes, or Qwen-Image 2.1's where ``model_index.json`` names ``QwenImage21Pipeline``."""
     import torch
     from transformers import AutoConfig
 

@@ -20,8 +20,8 @@ diffusers' QwenImageEditPipeline is the reference for edits, with two settings:
 from __future__ import annotations
 
 import contextlib
-import math
 import io
+import math
 from unittest import mock
 
 import numpy as np
