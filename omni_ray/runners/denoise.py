@@ -20,15 +20,10 @@ import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
 from omni_ray.config import ParallelSettings
-from omni_ray.errors import EngineError, request_failure
 from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, VAE_COMPRESSION, check_side
 from omni_ray.records import (
-    DenoiseBatch,
-    DenoiseOutput,
     DenoiseParams,
-    DenoiseRequest,
     Latents,
-    LoraKey,
     LoraRef,
     PromptEmbeds,
 )
@@ -36,17 +31,17 @@ from omni_ray.runners.attention import use_real_rope
 from omni_ray.runners.denoise_state import DenoiseState, prepare_state
 from omni_ray.runners.dit_cache import BranchCache, cached_forward
 from omni_ray.runners.host import to_host
-from omni_ray.runners.lora import LoraLayer, LoraTable
 from omni_ray.runners.parallel.mesh import Comm, Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.parallel.tensor import shard_transformer
 from omni_ray.runners.quantization import quantize_fp8
 from omni_ray.runners.random_weights import random_model
+from omni_ray.runners.stepping import SteppingRunner
 
 logger = logging.getLogger(__name__)
 
 
-class DenoiseRunner:
+class DenoiseRunner(SteppingRunner):
     """Holds the transformer and the scheduler config; prepares request states and steps batches of them."""
 
     def __init__(
@@ -57,14 +52,10 @@ class DenoiseRunner:
         max_loras: int = 4,
         mesh: Mesh | None = None,
     ):
-        self.mesh = mesh or Mesh.single()  # this rank's place in the replica's gang
+        super().__init__(transformer, max_loras, mesh)
         check_heads(transformer.config.num_attention_heads, self.mesh.settings)
-        self.states: dict[str, DenoiseState] = {}  # request id -> state, for every admitted request
-        self.transformer = transformer.eval()
         use_real_rope(transformer)
-        self.loras = LoraTable(self.transformer, max_loras)
         self.teacache_coefficients = teacache_coefficients
-        self.device, self.dtype = transformer.device, transformer.dtype
         self.scheduler_config = scheduler_config
         self.num_channels_latents = transformer.config.in_channels // 4
         self.warmup_s: float | None = None  # how long warm_up took (compiling, with compiled blocks)
@@ -117,82 +108,12 @@ class DenoiseRunner:
         self.warmup_s = time.perf_counter() - start
         return self.warmup_s
 
-    @property
-    def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        """The Linear layers an adapter may adapt: module name -> (in, out features)."""
-        return self.loras.shapes
-
-    def add_lora(self, key: LoraKey, layers: dict[str, LoraLayer]) -> None:
-        """Makes an adapter (``read_lora``'s layers) resident; requests naming it may then step."""
-        self.loras.add(key, layers)
-
-    def remove_lora(self, key: LoraKey) -> None:
-        """Frees an adapter's slot; no running request may use it."""
-        assert not any(s.params.lora and s.params.lora.key == key for s in self.states.values()), "adapter in use"
-        self.loras.remove(key)
-
-    def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
-        """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
-        for request_id in batch.freed_ids:
-            self.states.pop(request_id, None)
-        output = DenoiseOutput()
-        self._admit(batch.new_requests, output.errors)
-        states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
-        self._step_isolating_failures(states, output.errors, batch.split)
-        self._report(states, output)
-        return output
-
-    def _admit(self, requests: list[DenoiseRequest], errors: dict[str, EngineError]) -> None:
-        """Prepares each new request's state; a bad request fails alone. In a gang every rank admits the same
-        requests in the same order, so a cached request's CFG rank (``parallel.split``) is the same on each."""
-        for request in requests:
-            try:
-                state = self.prepare(request.params, request.prompt, request.negative, request.images, request.start)
-            except Exception as err:
-                errors[request.request_id] = request_failure(err)
-                continue
-            if state.caches and self.mesh.cfg.size > 1:
-                homes = [s.home for s in self.states.values() if s.home is not None]
-                state.home = min(range(self.mesh.cfg.size), key=lambda r: (homes.count(r), r))
-            self.states[request.request_id] = state
-
-    def _report(self, states: dict[str, DenoiseState], output: DenoiseOutput) -> None:
-        """The stepped requests' progress, the previews they asked for, and the finished ones' latents (their states
-        dropped)."""
-        for request_id, state in states.items():
-            if request_id in output.errors:
-                continue
-            output.progress[request_id] = state.progress
-            if state.preview is not None:
-                output.previews[request_id] = Latents(to_host(state.preview[0]), state.params.height,
-                                                      state.params.width)
-                state.preview = None
-            if state.is_finished:
-                output.finished[request_id] = self.finish(self.states.pop(request_id))
-
-    def _step_isolating_failures(self, states: dict[str, DenoiseState], errors: dict[str, EngineError],
-                                 split: str = "sequence") -> None:
-        """Steps the batch; if that fails, steps each request alone so that only the failing ones fail (on one
-        rank: in a gang, ranks stepping requests alone could wait on different collectives, so the step fails)."""
-        if not states:
-            return
-        if self.mesh.world.size > 1:
-            self.step(list(states.values()), split)
-            return
-        started_at = {request_id: state.step_index for request_id, state in states.items()}
-        try:
-            self.step(list(states.values()))
-            return
-        except Exception:
-            logger.exception("DiT step of %d requests failed; retrying each alone", len(states))
-        for request_id, state in states.items():
-            if state.step_index != started_at[request_id]:  # advanced before the failure
-                continue
-            try:
-                self.step([state])
-            except Exception as err:
-                errors[request_id] = request_failure(err)
-                del self.states[request_id]
+    def admitted(self, state: DenoiseState) -> None:
+        """With CFG ranks, a cached request's home: the CFG rank holding fewest caches (every rank admits the same
+        requests in the same order, so each reckons the same home: ``parallel.split``)."""
+        if state.caches and self.mesh.cfg.size > 1:
+            homes = [s.home for s in self.states.values() if s.home is not None]
+            state.home = min(range(self.mesh.cfg.size), key=lambda r: (homes.count(r), r))
 
     def prepare(
         self,
@@ -206,8 +127,7 @@ class DenoiseRunner:
         and schedule; an edit's image latents in order; a masked edit's start from ``start``."""
         check_side("height", params.height)
         check_side("width", params.width)
-        if params.lora is not None and params.lora.key not in self.loras.slot_of:
-            raise EngineError(f"LoRA adapter {params.lora.name!r} is not loaded on this replica")
+        self.check_lora(params)
         return prepare_state(
             params, prompt, negative, images, start, scheduler_config=self.scheduler_config,
             channels=self.num_channels_latents, device=self.device, dtype=self.dtype,

@@ -17,25 +17,23 @@ Known limits: one rank (``dit.parallel`` of world size 1); no compiled blocks, n
 from __future__ import annotations
 
 import logging
-import traceback
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
 
-from omni_ray.errors import EngineError, request_failure
 from omni_ray.qwen_image21 import check_side
-from omni_ray.records import DenoiseBatch, DenoiseOutput, DenoiseParams, DenoiseRequest, Latents, LoraKey, PromptEmbeds
+from omni_ray.records import DenoiseParams, Latents, PromptEmbeds
 from omni_ray.runners.denoise21_state import Denoise21State, check_inputs, prepare_state
 from omni_ray.runners.forward21 import ConditionCache, JointLayout, decode, prefill
 from omni_ray.runners.host import to_host
-from omni_ray.runners.lora import LoraLayer, LoraTable
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.random_weights import random_model
+from omni_ray.runners.stepping import SteppingRunner
 
 logger = logging.getLogger(__name__)
 
 
-class Denoise21Runner:
+class Denoise21Runner(SteppingRunner):
     """Holds Qwen-Image 2.1's transformer and the scheduler config; prepares request states and steps batches of
     them."""
 
@@ -45,10 +43,7 @@ class Denoise21Runner:
             raise ValueError(f"dit.parallel: Qwen-Image 2.1's DiT runs on one rank, not a gang of {mesh.world.size}")
         if not transformer.config.causal_condition:
             raise ValueError("the transformer's causal_condition is off: its condition cannot be cached")
-        self.states: dict[str, Denoise21State] = {}  # request id -> state, for every admitted request
-        self.transformer = transformer.eval()
-        self.loras = LoraTable(self.transformer, max_loras)
-        self.device, self.dtype = transformer.device, transformer.dtype
+        super().__init__(transformer, max_loras, mesh)
         self.scheduler_config = scheduler_config
         self.warmup_s: float | None = None  # no warm-up: nothing is compiled
 
@@ -66,80 +61,10 @@ class Denoise21Runner:
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
         return cls(transformer, scheduler_config, max_loras, mesh)
 
-    @property
-    def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        """The Linear layers an adapter may adapt: module name -> (in, out features)."""
-        return self.loras.shapes
-
-    def add_lora(self, key: LoraKey, layers: dict[str, LoraLayer]) -> None:
-        """Makes an adapter (``read_lora``'s layers) resident; requests naming it may then step."""
-        self.loras.add(key, layers)
-
-    def remove_lora(self, key: LoraKey) -> None:
-        """Frees an adapter's slot; no running request may use it."""
-        assert not any(s.params.lora and s.params.lora.key == key for s in self.states.values()), "adapter in use"
-        self.loras.remove(key)
-
     def cache_bytes(self, request_id: str | None = None) -> int:
         """Bytes the condition caches hold: one request's, or every admitted request's."""
         states = self.states.values() if request_id is None else [self.states.get(request_id)]
         return sum(state.cache_bytes for state in states if state is not None)
-
-    def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
-        """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""
-        for request_id in batch.freed_ids:
-            self.states.pop(request_id, None)
-        output = DenoiseOutput()
-        self._admit(batch.new_requests, output.errors)
-        states = {rid: self.states[rid] for rid in batch.request_ids if rid in self.states}
-        self._step_isolating_failures(states, output.errors)
-        self._report(states, output)
-        return output
-
-    def _admit(self, requests: list[DenoiseRequest], errors: dict[str, EngineError]) -> None:
-        """Prepares each new request's state; a bad request fails alone."""
-        for request in requests:
-            try:
-                state = self.prepare(request.params, request.prompt, request.negative, request.images, request.start)
-            except Exception as err:
-                errors[request.request_id] = request_failure(err)
-                continue
-            self.states[request.request_id] = state
-
-    def _report(self, states: dict[str, Denoise21State], output: DenoiseOutput) -> None:
-        """The stepped requests' progress, the previews they asked for, and the finished ones' latents (their states,
-        caches with them, dropped)."""
-        for request_id, state in states.items():
-            if request_id in output.errors:
-                continue
-            output.progress[request_id] = state.progress
-            if state.preview is not None:
-                output.previews[request_id] = Latents(to_host(state.preview[0]), state.params.height,
-                                                      state.params.width)
-                state.preview = None
-            if state.is_finished:
-                output.finished[request_id] = self.finish(self.states.pop(request_id))
-
-    def _step_isolating_failures(self, states: dict[str, Denoise21State], errors: dict[str, EngineError]) -> None:
-        """Steps the batch; if that fails, steps each request alone so that only the failing ones fail (and leave,
-        their caches with them)."""
-        if not states:
-            return
-        started_at = {request_id: state.step_index for request_id, state in states.items()}
-        try:
-            self.step(list(states.values()))
-            return
-        except Exception:  # logged as text: a record holding the traceback would hold the step's caches alive
-            logger.error("DiT step of %d requests failed; retrying each alone\n%s", len(states),
-                         traceback.format_exc())
-        for request_id, state in states.items():
-            if state.step_index != started_at[request_id]:  # advanced before the failure
-                continue
-            try:
-                self.step([state])
-            except Exception as err:
-                errors[request_id] = request_failure(err)
-                del self.states[request_id]
 
     def prepare(self, params: DenoiseParams, prompt: PromptEmbeds, negative: PromptEmbeds | None = None,
                 images: tuple[Latents, ...] = (), start: Latents | None = None) -> Denoise21State:
@@ -150,8 +75,7 @@ class Denoise21Runner:
             raise ValueError("inpaint: Qwen-Image 2.1 has no masked edit")
         if params.cache is not None:
             raise ValueError("cache: Qwen-Image 2.1 caches its condition instead of skipping blocks")
-        if params.lora is not None and params.lora.key not in self.loras.slot_of:
-            raise EngineError(f"LoRA adapter {params.lora.name!r} is not loaded on this replica")
+        self.check_lora(params)
         check_inputs(params, [prompt] + ([negative] if params.true_cfg else []), images,
                      self.transformer.config.context_in_dim)
         return prepare_state(params, prompt, negative, images, scheduler_config=self.scheduler_config,
