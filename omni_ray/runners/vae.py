@@ -46,7 +46,64 @@ logger = logging.getLogger(__name__)
 TILE_ROWS = 32
 
 
-class VaeRunner:
+class BatchedVae:
+    """What both VAE runners (Qwen-Image's ``VaeRunner``, Qwen-Image 2.1's ``VaeRunner21``) do around their model:
+    a batch of same-key requests in one call, failures isolated. Each says how it decodes and encodes, and which
+    requests it refuses before a call (``refuse``). ``comm``: the ranks of its gang (rank 0 alone encodes)."""
+
+    comm = Mesh.single().world
+
+    def refuse(self, request: VaeRequest) -> None:
+        """Raises ValueError for a request this runner cannot run; it then fails alone, before the batch's call."""
+
+    def execute_model(self, batch: VaeBatch) -> VaeOutput:
+        """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
+        fail (a bad latent, or one that does not fit in memory beside the others)."""
+        output = VaeOutput()
+        requests = []
+        for request in batch.requests:
+            try:
+                self.refuse(request)
+                requests.append(request)
+            except ValueError as err:
+                output.errors[request.request_id] = request_failure(err)
+        if not requests:
+            return output
+        try:
+            output.finished.update(self._run(requests))
+            return output
+        except Exception:
+            if len(requests) > 1:
+                logger.exception("VAE call of %d requests failed; retrying each alone", len(requests))
+        for request in requests:
+            try:
+                output.finished.update(self._run([request]))
+            except Exception as err:
+                output.errors[request.request_id] = request_failure(err)
+        return output
+
+    def _run(self, requests: list[VaeRequest]) -> dict[str, Decoded | Latents]:
+        """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE. A gang's
+        ranks but rank 0 skip encoding (their outputs are not read)."""
+        if isinstance(requests[0], ImageEncodeRequest):
+            if self.comm.rank != 0:
+                return {}
+            encoded = self.encode([r.image for r in requests], [r.seed for r in requests])
+            return dict(zip((r.request_id for r in requests), encoded))
+        to_decode = [request for request in requests if request.output != "latents"]
+        pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
+        by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
+        return {
+            request.request_id: Decoded(
+                pixels=by_id.get(request.request_id),
+                latents=request.latents if request.output != "pixels" else None,
+                dit_passes=request.latents.dit_passes,
+            )
+            for request in requests
+        }
+
+
+class VaeRunner(BatchedVae):
     """Holds the VAE; decodes batches of same-size latents and encodes batches of same-size images (on one rank of
     a gang: ``mesh``)."""
 
@@ -75,43 +132,6 @@ class VaeRunner:
             return cls(random_model(AutoencoderKLQwenImage, config, dtype, device), tiling, mesh)
         vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device)
         return cls(vae, tiling, mesh)
-
-    def execute_model(self, batch: VaeBatch) -> VaeOutput:
-        """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
-        fail (a bad latent, or one that does not fit in memory beside the others)."""
-        output = VaeOutput()
-        try:
-            output.finished.update(self._run(batch.requests))
-            return output
-        except Exception:
-            if len(batch.requests) > 1:
-                logger.exception("VAE call of %d requests failed; retrying each alone", len(batch.requests))
-        for request in batch.requests:
-            try:
-                output.finished.update(self._run([request]))
-            except Exception as err:
-                output.errors[request.request_id] = request_failure(err)
-        return output
-
-    def _run(self, requests: list[VaeRequest]) -> dict[str, Decoded | Latents]:
-        """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE. A gang's
-        ranks but rank 0 skip encoding (their outputs are not read)."""
-        if isinstance(requests[0], ImageEncodeRequest):
-            if self.comm.rank != 0:
-                return {}
-            encoded = self.encode([r.image for r in requests], [r.seed for r in requests])
-            return dict(zip((r.request_id for r in requests), encoded))
-        to_decode = [request for request in requests if request.output != "latents"]
-        pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
-        by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
-        return {
-            request.request_id: Decoded(
-                pixels=by_id.get(request.request_id),
-                latents=request.latents if request.output != "pixels" else None,
-                dit_passes=request.latents.dit_passes,
-            )
-            for request in requests
-        }
 
     def decode(self, batch: list[Latents]) -> np.ndarray:
         """Decodes same-size latents in one VAE call; returns uint8 pixels ``[B, H, W, 3]``."""

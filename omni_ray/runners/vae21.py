@@ -26,28 +26,24 @@ Qwen-Image's masked edits; 2.1 has none, so such a request fails with a ValueErr
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage21
 from diffusers.image_processor import VaeImageProcessor
 
-from omni_ray.errors import request_failure
 from omni_ray.qwen_image21 import IMAGE_CHANNELS, LATENT_CHANNELS, VAE_COMPRESSION, check_side, image_tokens
-from omni_ray.records import Decoded, ImageEncodeRequest, Latents, VaeBatch, VaeOutput, VaeRequest
+from omni_ray.records import ImageEncodeRequest, Latents, VaeRequest
 from omni_ray.runners.host import to_host
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.random_weights import random_model
+from omni_ray.runners.vae import BatchedVae
 from omni_ray.runners.vae21_frame import FrameDecoder21, FrameEncoder21
-
-logger = logging.getLogger(__name__)
 
 SEEDED_SAMPLE = ("a seeded sample of an image's latents (ImageEncodeRequest.seed: Qwen-Image's masked edit) is not "
                  "Qwen-Image 2.1's: its condition images encode to their latent distribution's mode")
 
 
-class VaeRunner21:
+class VaeRunner21(BatchedVae):
     """Holds Qwen-Image 2.1's VAE; decodes batches of same-size latents to RGBA and encodes batches of same-size
     condition images. One rank only: no tiling, no gang."""
 
@@ -85,48 +81,8 @@ class VaeRunner21:
         vae = AutoencoderKLQwenImage21.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device)
         return cls(vae.eval(), tiling, mesh)
 
-    def execute_model(self, batch: VaeBatch) -> VaeOutput:
-        """Refuses the requests the VAE cannot run (``check``), runs the rest in one VAE call; if that raises, runs
-        each alone so that only the failing ones fail (one that does not fit in memory beside the others)."""
-        output = VaeOutput()
-        requests = []
-        for request in batch.requests:
-            try:
-                check(request)
-                requests.append(request)
-            except ValueError as err:
-                output.errors[request.request_id] = request_failure(err)
-        if not requests:
-            return output
-        try:
-            output.finished.update(self._run(requests))
-            return output
-        except Exception:
-            if len(requests) > 1:
-                logger.exception("VAE call of %d requests failed; retrying each alone", len(requests))
-        for request in requests:
-            try:
-                output.finished.update(self._run([request]))
-            except Exception as err:  # noqa: BLE001 - whatever it is, it is this request's failure
-                output.errors[request.request_id] = request_failure(err)
-        return output
-
-    def _run(self, requests: list[VaeRequest]) -> dict[str, Decoded | Latents]:
-        """One VAE call for same-key requests; decode requests that asked for latents only skip the VAE."""
-        if isinstance(requests[0], ImageEncodeRequest):
-            encoded = self.encode([r.image for r in requests], [r.seed for r in requests])
-            return dict(zip((r.request_id for r in requests), encoded))
-        to_decode = [request for request in requests if request.output != "latents"]
-        pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
-        by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
-        return {
-            request.request_id: Decoded(
-                pixels=by_id.get(request.request_id),
-                latents=request.latents if request.output != "pixels" else None,
-                dit_passes=request.latents.dit_passes,
-            )
-            for request in requests
-        }
+    def refuse(self, request: VaeRequest) -> None:
+        check(request)
 
     def decode(self, batch: list[Latents]) -> np.ndarray:
         """Decodes same-size latents in one VAE call; returns RGBA uint8 pixels ``[B, H, W, 4]``."""
