@@ -12,7 +12,7 @@ import yaml
 from conftest import REPO
 
 from omni_ray.checkpoints.dummy import write_dummy_checkpoint
-from omni_ray.checkpoints.tiny import SPECIAL_TOKENS
+from omni_ray.checkpoints.parts import SPECIAL_TOKENS
 from omni_ray.config import ConfigError, load_config, parse_config
 
 

@@ -184,7 +184,7 @@ def test_the_dummy_preset_writes_a_weightless_2_1_checkpoint_in_the_published_la
     from transformers import AutoProcessor
 
     from omni_ray import checkpoints
-    from omni_ray.checkpoints.tiny import SPECIAL_TOKENS
+    from omni_ray.checkpoints.parts import SPECIAL_TOKENS
     from omni_ray.config import load_config
 
     model = tmp_path / "qwen-image-2.1-dummy"

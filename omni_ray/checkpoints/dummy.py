@@ -40,7 +40,8 @@ def qwen_sized_tokenizer(model_max_length: int = 131072):
     """The tiny tokenizer with its vocabulary padded so that the special tokens take Qwen's ids."""
     from transformers import Qwen2Tokenizer
 
-    from omni_ray.checkpoints.tiny import SPECIAL_TOKENS, build_tokenizer
+    from omni_ray.checkpoints.parts import SPECIAL_TOKENS
+    from omni_ray.checkpoints.tiny import build_tokenizer
 
     tiny = build_tokenizer()
     vocab = {token: index for token, index in tiny.get_vocab().items() if token not in SPECIAL_TOKENS}

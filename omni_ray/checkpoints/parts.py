@@ -4,6 +4,8 @@ are drawn."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 # Qwen2.5-VL's special tokens, in Qwen's order, so that the vision path (image editing) finds them too.
@@ -77,3 +79,28 @@ def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
                 fan_in = param[0].numel()
                 param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
     return model.eval()
+
+
+def trained_tokenizer(texts: list[str]):
+    """A byte-level BPE in Qwen2's format (Qwen3 uses the same class) trained on ``texts`` (repeat a text to make
+    each of its words one token, as in Qwen's vocabulary), with Qwen's special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(texts, trainer=trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>", model_max_length=131072)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"pad_token": SPECIAL_TOKENS[0]})
+    return tokenizer

@@ -26,52 +26,29 @@ dominates a request on a CPU; it is the benchmark checkpoint. The same seed writ
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 import torch
 
-from omni_ray.checkpoints.parts import CORPUS, SCHEDULER_CONFIG, SPECIAL_TOKENS, TRANSFORMER_SIZES, randomised
+from omni_ray.checkpoints.parts import (
+    CORPUS,
+    SCHEDULER_CONFIG,
+    TRANSFORMER_SIZES,
+    randomised,
+    trained_tokenizer,
+)
 from omni_ray.qwen_image import TEMPLATES
 
 TEXT_HIDDEN_SIZE = 64  # two heads of 32
+
+
 def build_tokenizer():
     """A byte-level BPE in Qwen2's format, trained on the prompt template and a few captions."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     # The templates' text is repeated so that each of its words becomes one token, as in Qwen's vocabulary.
     template_texts = list(dict.fromkeys(  # Edit-Plus drops Edit's system turn
         template.dropped_text.replace("<|im_start|>", "").replace("<|im_end|>", "") for template in TEMPLATES
     ))
-    bpe.train_from_iterator(template_texts * 64 + list(CORPUS) * 8 + ["assistant\n"] * 64, trainer=trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-
-    tokenizer = Qwen2Tokenizer(
-        vocab=model["vocab"],
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=131072,
-    )
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
-    tokenizer.add_special_tokens({"pad_token": SPECIAL_TOKENS[0]})
+    tokenizer = trained_tokenizer(template_texts * 64 + list(CORPUS) * 8 + ["assistant\n"] * 64)
     for template in TEMPLATES:
         num_dropped = len(tokenizer(template.dropped_text).input_ids)
         if num_dropped != template.drop:

@@ -17,12 +17,11 @@ Only the sizes are small:
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import torch
 
-from omni_ray.checkpoints.parts import CORPUS, SCHEDULER_CONFIG, SPECIAL_TOKENS, TRANSFORMER_SIZES, randomised
+from omni_ray.checkpoints.parts import CORPUS, SCHEDULER_CONFIG, TRANSFORMER_SIZES, randomised, trained_tokenizer
 from omni_ray.qwen_image21 import SYSTEM_PROMPT, SYSTEM_TURN, template
 
 TEXT_HIDDEN_SIZE = 64  # two heads of 32
@@ -50,27 +49,8 @@ IMAGE_PROCESSOR_CONFIG = {
 
 def build_tokenizer():
     """A byte-level BPE in Qwen2's format (Qwen3's tokenizer class), trained on 2.1's templates and a few captions."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
     words = [SYSTEM_PROMPT, "system\n", "user\n", "assistant\n"] + [f"<image{i}>" for i in (1, 2, 3)]
-    bpe.train_from_iterator(words * 64 + list(CORPUS) * 8, trainer=trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token="<|im_end|>",
-                               pad_token="<|endoftext|>", model_max_length=131072)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
-    tokenizer.add_special_tokens({"pad_token": SPECIAL_TOKENS[0]})
-    return tokenizer
+    return trained_tokenizer(words * 64 + list(CORPUS) * 8)
 
 
 def build_processor(tokenizer, image_processor_config: dict = IMAGE_PROCESSOR_CONFIG):
