@@ -3,6 +3,8 @@ generating and editing (one and two condition images of different aspect ratios)
 off, n=2, each RGBA image within one level of diffusers' QwenImage21Pipeline; a Qwen-Image field refused with a 400
 naming it."""
 
+import time
+
 import openai
 import pytest
 from conftest import REPO
@@ -12,7 +14,7 @@ from omni_ray.config import load_config
 from testing.local_serve import LocalServe
 from testing.openai_api import conforms
 from testing.reference import reference21, source_image
-from testing.serving import file_bytes, png, post, within_one_level
+from testing.serving import file_bytes, png, post, stage_stats, within_one_level
 
 pytestmark = pytest.mark.serve
 
@@ -93,3 +95,46 @@ def test_a_qwen_image_field_is_a_400_naming_it(served):
     assert status == 400 and body["error"]["param"] == "cache", body
     status, body = post(served["base"] + "/v1/images/generations", {"prompt": "a cat", "size": "48x64"})
     assert status == 400 and body["error"]["param"] == "size", body
+
+
+def test_16_concurrent_requests_and_a_client_that_leaves_hold_no_condition_cache_after(served, client):
+    """Under load (generations and edits of one and two images, CFG on and off, sent at once) every request is
+    answered, the DiT batches them, and once they are done, and a client that hung up mid-run is aborted, no
+    condition cache is left held."""
+    import concurrent.futures
+    import http.client
+    import json
+
+    def generate(i):
+        extra = {"seed": i, **({"negative_prompt": "dark", "true_cfg_scale": 2.0} if i % 2 else {})}
+        return client.images.generate(prompt=f"a harbour at dawn, take {i}", extra_body=extra).data
+
+    def edit(i):
+        return client.images.edit(image=uploads(1 + i % 2), prompt=f"add snow, take {i}", extra_body={"seed": i}).data
+
+    def leave():
+        host, port = served["base"].removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=1.5)
+        body = {"prompt": "a very long request", "size": "256x256", "num_inference_steps": 200}
+        try:
+            connection.request("POST", "/v1/images/generations", json.dumps(body),
+                               {"Content-Type": "application/json"})
+            return connection.getresponse().status
+        except TimeoutError:
+            return None
+        finally:
+            connection.close()
+
+    before = stage_stats(served)["DiT"]
+    with concurrent.futures.ThreadPoolExecutor(17) as pool:
+        left = pool.submit(leave)
+        answers = list(pool.map(lambda i: generate(i) if i < 8 else edit(i), range(16)))
+        assert left.result() is None
+    assert all(len(data) == 1 and data[0].b64_json for data in answers)
+    deadline = time.monotonic() + 30
+    while (dit := stage_stats(served)["DiT"])["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert dit["running"] == 0 and dit["aborted"] == before["aborted"] + 1
+    assert dit["condition_cache"]["bytes"] == 0 and dit["condition_cache"]["budget"] > 0
+    batched = {size: count - before["batch_sizes"].get(size, 0) for size, count in dit["batch_sizes"].items()}
+    assert any(int(size) > 1 and count > 0 for size, count in batched.items()), dit["batch_sizes"]
