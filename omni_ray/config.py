@@ -30,6 +30,7 @@ from omni_ray.qwen_image import (
     TOKENIZER_MAX_LENGTH,
     VAE_COMPRESSION,
     PromptTemplate,
+    VisionPatches,
     check_side,
     template_for,
 )
@@ -788,12 +789,32 @@ def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
             f"{source}: family: {config.family!r}, but model: {config.model!r} is a {pipeline} checkpoint (a "
             f"{expected} one is needed; family qwen-image-2.1 is for QwenImage21Pipeline checkpoints)"
         )
+    if config.family == "qwen-image-2.1" and config.edit is not None:
+        check_vision_floor(config, source)
     if pipeline != expected:
         raise ConfigError(
             f"{source}: model: {config.model!r} is a {pipeline} checkpoint, but this preset "
             f"{'edits' if config.edit is not None else 'generates'} images and needs a {expected} one "
             f"(`edit:` is set for Qwen-Image-Edit checkpoints only, `edit.plus` for Edit-2509/2511's)"
         )
+
+
+def check_vision_floor(config: PipelineConfig, source: str = "<config>") -> None:
+    """Raises ConfigError naming ``edit.image_area`` when Qwen-Image 2.1's condition images, at that working area, are
+    below the pixels Qwen3-VL's processor takes (it would read them larger than their latents: one vision token no
+    longer stands for one 32x32 tile)."""
+    folder = pathlib.Path(config.model) / "processor"
+    if (folder / "preprocessor_config.json").is_file():  # as the published checkpoints have it
+        settings = json.loads((folder / "preprocessor_config.json").read_text())
+    elif (folder / "processor_config.json").is_file():  # as transformers 5 writes one
+        settings = json.loads((folder / "processor_config.json").read_text()).get("image_processor", {})
+    else:
+        return
+    floor = VisionPatches.from_config(settings).min_pixels
+    if config.edit.image_area < floor:
+        raise ConfigError(f"{source}: edit.image_area: {config.edit.image_area} pixels is below the {floor} Qwen3-VL's "
+                          f"processor takes ({config.model}/processor); condition images would not line up with "
+                          "their latents")
 
 
 def field_errors(err: ValidationError, unknown: str = "unknown field") -> list[tuple[str | None, str]]:

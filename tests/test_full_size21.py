@@ -229,3 +229,52 @@ def test_a_reduced_dummy_keeps_2_1_s_widths():
     text = models["text_encoder"].config
     assert (text.text_config.num_hidden_layers, text.text_config.hidden_size) == (1, qwen_image21.TEXT_HIDDEN)
     assert (text.vision_config.depth, text.vision_config.deepstack_visual_indexes) == (1, [0])
+
+
+@pytest.mark.vllm  # the encoder is vLLM's, with its vision tower, in this process
+def test_a_reduced_dummy_2_1_app_generates_and_edits_at_full_width(tmp_path):
+    """Qwen-Image 2.1's widths (Qwen3-VL-8B's 4,096, the transformer's 32 heads of 128, the VAE's 64 channels) with
+    one block and one language-model layer, random weights, through the three engines: the full-size code path at a
+    size a CPU runs, a generation with true CFG and an edit of two condition images."""
+    import asyncio
+
+    import yaml
+
+    from omni_ray.api.images import load_input_images
+    from omni_ray.api.planning import plan_request
+    from omni_ray.checkpoints.dummy import write_dummy_checkpoint
+    from omni_ray.config import ConfigError, parse_config
+    from omni_ray.errors import RequestError
+    from omni_ray.pipeline import Pipeline
+    from omni_ray.tokenizer import tokenizer_for
+    from testing.reference import source_image
+    from testing.serving import file_bytes
+
+    model = write_dummy_checkpoint(tmp_path / "qwen-image-2.1-1-layer", layers=1, configs="qwen-image-2.1")
+    preset = yaml.safe_load((REPO / "stage_configs/qwen_image_2_1_tiny.yaml").read_text())
+    preset.pop("build_if_missing")
+    preset = {**preset, "name": "qwen-image-2.1-dummy-1-layer", "model": str(model), "weights": "dummy",
+              "configs": "qwen-image-2.1"}
+    with pytest.raises(ConfigError, match="edit.image_area: 4096 pixels is below the 65536"):
+        parse_config(preset)  # the published processor's floor: smaller condition images would not line up
+    files = [file_bytes(source_image(90, 40, 1)), file_bytes(source_image(48, 100, 2))]
+    at_floor = parse_config({**preset, "edit": {**preset["edit"], "image_area": 256 * 256}})
+    with pytest.raises(RequestError, match="150 vision tokens, not the 132") as err:  # 384x160 rounds below it
+        plan_request({"prompt": "add snow"}, at_floor, tokenizer_for(at_floor).num_tokens,
+                     load_input_images(files, at_floor))
+    assert err.value.param == "image"
+    config = parse_config({**preset, "edit": {**preset["edit"], "image_area": 320 * 320}})
+    pipeline = Pipeline(config)
+    try:
+        body = {"prompt": "a lighthouse at dusk", "negative_prompt": "blurry", "true_cfg_scale": 3.0,
+                "size": "96x64", "seed": 3, "num_inference_steps": 2}
+        (image,) = asyncio.run(pipeline.generate(body, output="both"))
+        inputs = load_input_images(files, config)
+        (edited,) = asyncio.run(pipeline.generate({"prompt": "add snow", "seed": 4, "num_inference_steps": 2},
+                                                  inputs))
+    finally:
+        pipeline.shutdown()
+    assert image.pixels.shape == (64, 96, 4) and image.pixels.dtype == "uint8"
+    assert image.latents.latents.shape == (4 * 6, 64)
+    assert image.dit_passes == {"computed": 4, "reused": 0}  # 2 steps, true CFG
+    assert edited.pixels.shape == (*inputs.sizes[-1], 4)

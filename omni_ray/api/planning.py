@@ -230,6 +230,12 @@ def count_input_tokens(request: ImageGenerationRequest, config: PipelineConfig, 
         if text is None:
             continue
         tokens = count_tokens(text, image_sizes)
+        slots = sum(qwen_image21.vision_slots(*size) for size in image_sizes)
+        if config.family == qwen_image21.FAMILY and tokens.image != slots:
+            sizes = ", ".join(f"{width}x{height}" for height, width in image_sizes)
+            raise RequestError(f"image: at their working sizes ({sizes}) Qwen3-VL's processor reads the images as "
+                               f"{tokens.image} vision tokens, not the {slots} their latents make: a working size "
+                               "outside the processor's pixel range (edit.image_area)", param="image")
         if tokens.total > config.encoder.max_model_len:
             raise RequestError(f"{field}: {tokens.total} tokens with the prompt template; the limit is "
                                f"{config.encoder.max_model_len}", param=field)
