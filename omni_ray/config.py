@@ -512,6 +512,7 @@ class RequestLimits(_Frozen):
         600.0, gt=0, description="Deadline of one request, all images and stages included; past it the work is "
         "aborted in every stage and the caller gets a 504."
     )
+    max_controls: int = Field(2, ge=0, le=4, description="ControlNets one request may apply at once (`control`).")
     max_retries: int = Field(
         2, ge=0, description="Stage calls of one request that may be issued again after their replica (or the "
         "node holding their result) was lost; stage calls are deterministic, so a retry gives the same image. Past "
@@ -593,6 +594,12 @@ class PipelineConfig(_Frozen):
         )
     )
     lora: LoraSettings = Field(default_factory=LoraSettings, description="Adapters loaded at run time.")
+    controlnets: dict[Annotated[str, Field(pattern=r"^[\w.:-]+$")], str] = Field(
+        default_factory=dict,
+        description="ControlNets the DiT holds, name -> folder in diffusers' layout (QwenImageControlNetModel: "
+        "InstantX's Qwen-Image ControlNet Union, say), on every node that runs the DiT; a request applies up to "
+        "requests.max_controls of them by name (`control`), each with its control image.",
+    )
     requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
     coordinator: DeploymentConfig = Field(
         default_factory=lambda: DeploymentConfig(max_ongoing_requests=256),
@@ -662,7 +669,7 @@ class PipelineConfig(_Frozen):
         not_yet = {  # what the Qwen-Image runners have and the 2.1 ones do not yet
             "dit.compile": self.dit.compile, "dit.quantization": self.dit.quantization != "none",
             "dit.parallel": self.dit.parallel.world_size > 1, "vae.parallel": self.vae.parallel.world_size > 1,
-            "vae.tiling": self.vae.tiling,
+            "vae.tiling": self.vae.tiling, "controlnets": bool(self.controlnets),
             "runner": "simulated" in (self.encoder.runner, self.dit.runner, self.vae.runner),
         }
         for name, asked in not_yet.items():

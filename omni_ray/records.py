@@ -77,6 +77,19 @@ class Inpaint:
     strength: float
 
 
+@dataclass(frozen=True, slots=True)
+class Control:
+    """One ControlNet a request applies (diffusers' ``QwenImageControlNetPipeline``): the preset's controlnet
+    ``name``, its residuals' ``scale`` (``controlnet_conditioning_scale``), and the share of the steps it acts on
+    (``control_guidance_start`` to ``control_guidance_end``). Its control image's latents travel beside it in
+    ``DenoiseRequest.controls``."""
+
+    name: str
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+
+
 # --- encoder -------------------------------------------------------------------------------------------------------
 
 
@@ -136,6 +149,7 @@ class DenoiseParams:
     scheduler: tuple[tuple[str, object], ...] = ()  # scheduler settings over the checkpoint's (an adapter's recipe):
     # the request's own sigmas; never splits a batch
     inpaint: Inpaint | None = None  # a masked edit: its mask and strength; never splits a batch
+    controls: tuple[Control, ...] = ()  # ControlNets in the request's order; never split a batch
     sigmas: tuple[float, ...] | None = None  # Qwen-Image 2.1: the sigmas to sample with (the checkpoint's
     # sample_sigmas, num_inference_steps of them); None: evenly spaced from 1, as diffusers' pipelines
 
@@ -182,6 +196,9 @@ class DenoiseRequest:
     negative: PromptEmbeds | None = None
     images: tuple[Latents, ...] = ()
     start: Latents | None = None  # a masked edit's start image's latents, sampled with the request's seed
+    controls: tuple[Latents, ...] = ()  # params.controls' control images' latents, in order: each a sample drawn
+    # with the image's seed, the k-th control's after k others, as diffusers' controlnet pipelines draw them before
+    # the noise
 
     def __post_init__(self) -> None:
         if self.params.true_cfg and self.negative is None:
@@ -294,6 +311,7 @@ class ImageEncodeRequest:
     request_id: str
     image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)
     seed: int | None = None
+    draw: int = 0  # with seed: the sample is the generator's draw-th of this shape (a request's k-th control image)
 
     @property
     def batch_key(self) -> tuple[str, int, int]:
