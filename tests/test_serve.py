@@ -421,14 +421,16 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_never_reach_a_stage(served)
 
 
 def test_every_metric_the_grafana_dashboard_queries_is_exported(served):
-    """k8s/grafana-omni-ray.json (issue 17): each series a panel queries is in a scrape of this cluster, once the
-    tests before this one have served images, LoRA adapters and bad requests. The gauges too, seconds after the last
-    step: the stages keep them fresh (Ray exports a gauge for about two seconds after it was set)."""
+    """k8s/grafana-omni-ray.json (issue 17): each series a panel queries (but Qwen-Image 2.1's) is in a scrape of
+    this cluster, once the tests before this one have served images, LoRA adapters and bad requests. The gauges too,
+    seconds after the last step: the stages keep them fresh (Ray exports a gauge for about two seconds after it was
+    set)."""
     import re
 
     dashboard = json.loads((REPO / "k8s" / "grafana-omni-ray.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
-               for name in re.findall(r"ray_omni_\w+", target["expr"])}
+               for name in re.findall(r"ray_omni_\w+", target["expr"])
+               if not panel["title"].startswith("Qwen-Image 2.1")}  # tests/test_serve21.py checks those
     assert len(queried) >= 10
     time.sleep(5)
     deadline = time.monotonic() + 30

@@ -25,12 +25,16 @@ SOURCES = [source_image(90, 40, seed=1), source_image(48, 100, seed=2)]
 @pytest.fixture(scope="module")
 def served(tiny21_dir):
     with LocalServe(REPO / "config.qwen21.yaml", model=str(tiny21_dir)) as local:
-        yield {"base": local.base_url, "address": local.address}
+        yield {"base": local.base_url, "address": local.address, "metrics": local.metrics_url}
+
+
+def client_of(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    return client_of(served)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +142,23 @@ def test_16_concurrent_requests_and_a_client_that_leaves_hold_no_condition_cache
     assert dit["condition_cache"]["bytes"] == 0 and dit["condition_cache"]["budget"] > 0
     batched = {size: count - before["batch_sizes"].get(size, 0) for size, count in dit["batch_sizes"].items()}
     assert any(int(size) > 1 and count > 0 for size, count in batched.items()), dit["batch_sizes"]
+
+
+def test_the_dashboards_condition_cache_panel_reads_exported_series(served):
+    """k8s/grafana-omni-ray.json's Qwen-Image 2.1 panel queries series this app exports (test_serve.py checks the
+    others on a Qwen-Image app)."""
+    import json
+    import re
+
+    from testing.serving import scrape
+
+    dashboard = json.loads((REPO / "k8s" / "grafana-omni-ray.json").read_text())
+    queried = {name for panel in dashboard["panels"] if panel["title"].startswith("Qwen-Image 2.1")
+               for target in panel["targets"] for name in re.findall(r"ray_omni_\w+", target["expr"])}
+    assert queried == {"ray_omni_dit_condition_cache_bytes", "ray_omni_dit_condition_cache_budget_bytes"}
+    client_of(served).images.generate(prompt="keep the gauges fresh", extra_body={"seed": 1})
+    deadline = time.monotonic() + 30
+    while missing := queried - {name for name, _ in scrape(served["metrics"])}:
+        assert time.monotonic() < deadline, missing
+        time.sleep(1)
+
