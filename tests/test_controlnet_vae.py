@@ -60,3 +60,33 @@ def test_the_kth_control_image_is_the_kth_sample_of_the_seeds_generator_as_diffu
     assert (first_draw - expected[1]).abs().max() > 1e-2
     assert (output.finished["mode"].latents - expected[1]).abs().max() > 1e-2
     assert (output.finished["other"].latents - expected[1]).abs().max() > 1e-2  # another image's seed
+
+
+def test_the_reference_helper_runs_diffusers_controlnet_pipeline_with_two_control_images(tiny_dir):
+    """``testing.reference.reference_controlnet``, which the end-to-end parity test reads, runs diffusers' pipeline
+    over the tiny checkpoint with two control images on one ControlNet-Union (built from its transformer here:
+    diffusers' multi-model holds one net): images of the control images' size, one seed giving one image, and the
+    second control image mattering."""
+    from diffusers import QwenImageControlNetModel, QwenImageMultiControlNetModel, QwenImagePipeline
+
+    from testing.reference import reference_controlnet
+
+    base = QwenImagePipeline.from_pretrained(tiny_dir)
+    config = base.transformer.config
+    torch.manual_seed(0)
+    union = QwenImageControlNetModel.from_transformer(base.transformer, num_layers=1,
+                                                      attention_head_dim=config.attention_head_dim,
+                                                      num_attention_heads=config.num_attention_heads)
+    with torch.no_grad():  # from_transformer zero-initialises the residual projections: nothing would change
+        for block in union.controlnet_blocks:
+            block.weight.normal_(0, 0.2)
+        union.controlnet_x_embedder.weight.normal_(0, 0.2)
+    pipe = QwenImageControlNetPipeline(**base.components, controlnet=QwenImageMultiControlNetModel([union]))
+    options = {"prompt": "a house", "num_inference_steps": 2, "controlnet_conditioning_scale": [0.5, 1.0],
+               "control_guidance_start": [0.0, 0.5], "control_guidance_end": [1.0, 1.0]}
+    images = [picture(1), picture(2)]
+    first = reference_controlnet(pipe, images, seed=3, **options)
+    assert first.shape == (HEIGHT, WIDTH, 3) and first.dtype == np.uint8
+    assert np.array_equal(first, reference_controlnet(pipe, images, seed=3, **options))
+    other = reference_controlnet(pipe, [images[0], picture(5)], seed=3, **options)
+    assert np.abs(other.astype(int) - first.astype(int)).max() > 0
