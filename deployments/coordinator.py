@@ -42,8 +42,17 @@ from deployments.http.page import WEB_FILES, page_html
 from deployments.http.routes import build_api
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
 from deployments.stages import ServeStages
-from omni_ray.api.images import load_inputs, write_image_file
-from omni_ray.api.planning import GenerationPlan, check_route, plan_request, requested_size
+from omni_ray.api.images import base64_limit, load_control_images, load_inputs, write_image_file
+from omni_ray.api.planning import (
+    GenerationPlan,
+    asks_for_control,
+    check_control_route,
+    check_controls,
+    check_route,
+    max_image_bytes,
+    plan_request,
+    requested_size,
+)
 from omni_ray.api.responses import (
     completed_event,
     error_body,
@@ -111,10 +120,17 @@ class CrossEngineCoordinator:
     # --- routes (attached by http.routes.build_api) --------------------------------------------------------------
 
     async def generations(self, request: Request) -> Response:
+        """A JSON body (control images base64 in ``control``), or a multipart form whose ``control`` field is JSON
+        text without images and whose ``control_image`` files are the control images in order."""
         with self._counting_errors():
             tenant = self.authorize(request)
-            body = await bodies.json_body(request)
-        return await self.respond(await self.plan(body, tenant=tenant), request)
+            limit = bodies.MAX_BODY_BYTES + self.config.requests.max_controls * max_image_bytes(self.config)
+            if request.headers.get("content-type", "").startswith("multipart/"):
+                fields, files = await bodies.generation_form(request, limit)
+                body, controls = parse_request(fields, form=True), files
+            else:  # base64 grows a file by a third
+                body, controls = await bodies.json_body(request, base64_limit(limit)), None
+        return await self.respond(await self.plan(body, tenant=tenant, control_images=controls), request)
 
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
@@ -211,23 +227,34 @@ class CrossEngineCoordinator:
         return Response(body, media_type="application/json", headers=headers)
 
     async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
-                   tenant: str | None = None, mask: bytes | None = None) -> GenerationPlan:
+                   tenant: str | None = None, mask: bytes | None = None,
+                   control_images: Sequence[bytes] | None = None) -> GenerationPlan:
         """Validates before any stage sees the request, and admits it when the DiT's queue can finish it before its
-        deadline; an edit's images (one file, or a list) and mask are decoded and resized off the event loop, a few
-        requests at a time. ``tenant`` (the caller's API key's name) replaces the body's ``user`` as whom the DiT
-        shares its steps between."""
+        deadline; an edit's images (one file, or a list) and mask, and a generation's control images (the body's
+        base64 ones, or a multipart body's ``control_image`` files: ``control_images``), are decoded and resized off
+        the event loop, a few requests at a time, after the checks that need no pixels. ``tenant`` (the caller's API
+        key's name) replaces the body's ``user`` as whom the DiT shares its steps between."""
         with self._counting_errors():
             files = [bytes(image)] if isinstance(image, (bytes, bytearray, memoryview)) else \
                 [bytes(item) for item in image] if image is not None else None
-            inputs = size = None
+            inputs = size = controls = None
             if mask is not None:  # a masked edit is prepared at the size the request names
                 body = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
                 size = requested_size(body, self.config)
+            if control_images is not None or asks_for_control(body):
+                if asks_for_control(body):
+                    check_control_route(self.config, has_image=files is not None or mask is not None)
+                body = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
+                check_controls(body, self.config)  # names and count, before any image is decoded
+                async with self.image_slots:
+                    controls = await asyncio.to_thread(load_control_images, body, control_images,
+                                                       max_image_bytes(self.config))
             if files is not None or mask is not None:
                 async with self.image_slots:
                     inputs = await asyncio.to_thread(load_inputs, files, mask, self.config, size)
             plan = plan_request(body, self.config, self.tokenizer.num_tokens, inputs,
-                                await self.adapters.for_request(body), has_image=files is not None)
+                                await self.adapters.for_request(body), has_image=files is not None,
+                                control_images=controls)
             if tenant is not None:
                 plan = dataclasses.replace(plan, tenant=tenant)
             await self._admit(plan)

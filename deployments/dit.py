@@ -51,17 +51,22 @@ class DiT(StageDeployment):
         return await self.loras.check(path)
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: Upstream, *images: Upstream, start: Upstream | None = None
+        self, request_id: str, params: DenoiseParams, prompt: Upstream, *images: Upstream, start: Upstream | None = None,
+        controls: tuple[Upstream, ...] = (),
     ) -> AsyncIterator[StepDone | Latents]:
         """Denoises one image: ``StepDone`` after every step, each followed by what it announces (a preview's
         latents, or the image's): ``deployments.stages.read_step_stream`` reads it. An edit brings its input
-        images' latents (the VAE's ``encode``), a masked edit its ``start`` latents. The caller reads the stream by
+        images' latents (the VAE's ``encode``), a masked edit its ``start`` latents, a request with ControlNets its
+        control images' latents (``controls``, one per ``params.controls``). The caller reads the stream by
         reference; closing it aborts the request."""
         encoded = await prompt.resolve()
         image_latents = tuple([await image.resolve() for image in images])
         start_latents = await start.resolve() if start is not None else None
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image_latents, start_latents)
-        timings = upstream_timings(encoded, *image_latents, *([start_latents] if start_latents is not None else []))
+        control_latents = tuple([await control.resolve() for control in controls])
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, image_latents, start_latents,
+                                 control_latents)
+        timings = upstream_timings(encoded, *image_latents, *([start_latents] if start_latents is not None else []),
+                                   *control_latents)
         if params.lora is not None:
             await self._route(params.lora.name)
         self.load.add(request_id, params.priority, request.work_tokens, params.steps_run, 2 if params.true_cfg else 1)

@@ -110,8 +110,9 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
     def encode_prompt(self, request: EncodeRequest, images: tuple[ray.ObjectRef, ...]) -> DeploymentResponse:
         return self.encoder.encode.remote(request, *images)
 
-    def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None) -> DeploymentResponse:
-        return self.vae.encode.remote(request_id, image, seed)
+    def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None, draw: int = 0
+                     ) -> DeploymentResponse:
+        return self.vae.encode.remote(request_id, image, seed, draw)
 
     async def denoise(
         self,
@@ -120,13 +121,16 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         prompt: DeploymentResponse,
         image_latents: tuple[DeploymentResponse, ...],
         start: DeploymentResponse | None = None,
+        controls: tuple[DeploymentResponse, ...] = (),
     ) -> AsyncIterator[DenoiseEvent]:
         inputs = [await _upstream(prompt, "encoder", StageCall.ENCODE_PROMPT)]
         for latents in image_latents:
             inputs.append(await _upstream(latents, "vae", StageCall.ENCODE_IMAGE))
-        masked = {"start": await _upstream(start, "vae", StageCall.ENCODE_IMAGE)} if start is not None else {}
+        extra = {"start": await _upstream(start, "vae", StageCall.ENCODE_IMAGE)} if start is not None else {}
+        if controls:
+            extra["controls"] = tuple([await _upstream(latents, "vae", StageCall.ENCODE_IMAGE) for latents in controls])
         dit = self.dit.options(multiplexed_model_id=params.lora.name) if params.lora is not None else self.dit
-        stream = dit.denoise.remote(request_id, params, *inputs, **masked)
+        stream = dit.denoise.remote(request_id, params, *inputs, **extra)
         try:
             # Steps are fetched (they are small); previews and latents stay references, for the VAE to read.
             async for event in read_step_stream(await object_ref_stream(stream), _awaited):

@@ -65,19 +65,23 @@ class LocalStages(Stages[object]):
         request.images = images
         return asyncio.ensure_future(self.encoder.generate(request))
 
-    def encode_image(self, request_id: str, image: np.ndarray, seed: int | None = None) -> asyncio.Future:
-        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image, seed)))
+    def encode_image(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0
+                     ) -> asyncio.Future:
+        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image, seed, draw)))
 
     async def denoise(
         self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: tuple[asyncio.Future, ...],
-        start: asyncio.Future | None = None,
+        start: asyncio.Future | None = None, controls: tuple[asyncio.Future, ...] = (),
     ) -> AsyncIterator[DenoiseEvent]:
         # Shielded: the n images of a request share these calls, and one image's cancellation must not cancel them.
         encoded = await asyncio.shield(prompt)
         images = tuple([await asyncio.shield(latents) for latents in image_latents])
         start_latents = await asyncio.shield(start) if start is not None else None
-        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, images, start_latents)
-        timings = upstream_timings(encoded, *images, *([start_latents] if start_latents is not None else []))
+        control_latents = tuple([await asyncio.shield(latents) for latents in controls])
+        request = DenoiseRequest(request_id, params, encoded.prompt, encoded.negative, images, start_latents,
+                                 control_latents)
+        timings = upstream_timings(encoded, *images, *([start_latents] if start_latents is not None else []),
+                                   *control_latents)
         async with self.loras.use(params.lora):
             async for item in self.dit.stream(request, timings):
                 yield item  # the engine's typed stream; its latents are the handles

@@ -205,6 +205,9 @@ class DenoiseRequest:
             raise ValueError(f"request {self.request_id}: true CFG needs the negative prompt's embeddings")
         if (self.params.inpaint is None) != (self.start is None):
             raise ValueError(f"request {self.request_id}: a masked edit needs its mask and its start image's latents")
+        if len(self.controls) != len(self.params.controls):
+            raise ValueError(f"request {self.request_id}: {len(self.params.controls)} ControlNet(s) but "
+                             f"{len(self.controls)} control image latents")
 
     @property
     def batch_key(self) -> BatchKey:

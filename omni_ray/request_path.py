@@ -61,18 +61,19 @@ class Stages(ABC, Generic[Handle]):
         """Starts encoding the prompt (and the negative prompt, when given), with the edit's images."""
 
     @abstractmethod
-    def encode_image(self, request_id: str, image: Handle, seed: int | None = None) -> Handle:
+    def encode_image(self, request_id: str, image: Handle, seed: int | None = None, draw: int = 0) -> Handle:
         """Starts encoding one of an edit's input images to latents the DiT edits beside (the distribution's mode),
-        or with ``seed`` a masked edit's start image (a sample drawn with it)."""
+        or with ``seed`` a masked edit's start image or a control image (a sample drawn with it: the seed's
+        generator's ``draw``-th of that shape, ``ImageEncodeRequest.draw``)."""
 
     @abstractmethod
     def denoise(
         self, request_id: str, params: DenoiseParams, prompt: Handle, image_latents: tuple[Handle, ...],
-        start: Handle | None = None,
+        start: Handle | None = None, controls: tuple[Handle, ...] = (),
     ) -> AsyncIterator[DenoiseEvent]:
-        """Denoises one image (a masked edit from its ``start`` latents): ``StepDone`` after every step (then
-        ``Preview`` when the step has one), then ``Finished``; both carry handles to latents. Closing it aborts the
-        call."""
+        """Denoises one image (a masked edit from its ``start`` latents; with ControlNets, ``controls`` are its
+        control images' latents, one per ``params.controls``): ``StepDone`` after every step (then ``Preview`` when
+        the step has one), then ``Finished``; both carry handles to latents. Closing it aborts the call."""
 
     @abstractmethod
     async def decode(self, request_id: str, latents: Handle, output: OutputMode, preview: bool = False) -> Decoded:
@@ -177,7 +178,9 @@ async def collect(events: AsyncIterator[RequestEvent]) -> list[Decoded]:
 class _SharedInputs:
     """The stage calls every image of a request shares: the prompt's encoding and, for an edit, its input images'
     latents (each image stored once, and once for both stages when the encoder reads the VAE's). A lost one is
-    issued again once, however many images lost it; a lost image encode issues the request's image encodes again."""
+    issued again once, however many images lost it; a lost image encode issues the request's image encodes again.
+    Control images are stored once too, but each image of the request samples them with its own seed
+    (``encode_controls``)."""
 
     def __init__(self, stages: Stages, plan: GenerationPlan, request_id: str):
         self.stages, self.plan, self.request_id = stages, plan, request_id
@@ -191,6 +194,7 @@ class _SharedInputs:
         inputs = plan.inputs
         self.images = tuple(map(put, inputs.vae)) if inputs is not None else ()
         self.prompt_images = tuple(map(put, inputs.encoder)) if inputs is not None else ()
+        self.control_images = tuple(map(put, plan.control_images))
         self.prompt = self._encode_prompt()
         self.masked = plan.inpaint is not None  # each image starts from its own sample of the first input image
         self.image_encodes = 0  # times the image latents were asked for: a retry's calls get ids of their own
@@ -210,6 +214,12 @@ class _SharedInputs:
     def encode_start(self, image_id: str, seed: int) -> Handle:
         """A masked edit's start latents for one image: its first input image sampled with the image's seed."""
         return self.stages.encode_image(f"{image_id}-start", self.images[0], seed)
+
+    def encode_controls(self, image_id: str, seed: int) -> tuple[Handle, ...]:
+        """An image's control images' latents: the k-th sampled with the image's seed after k other draws, as
+        diffusers' ControlNet pipeline samples its control images in turn from the image's generator."""
+        return tuple(self.stages.encode_image(f"{image_id}-control{k}", image, seed, draw=k)
+                     for k, image in enumerate(self.control_images))
 
     def conditions(self, start: Handle | None) -> tuple[Handle, ...]:
         """The image latents an image's DiT call attends over: the shared ones, or a masked edit's start latents
@@ -244,16 +254,18 @@ async def _run_image(
     latents: Handle | None = None
     retries = 0
     previews = start = None
+    controls: tuple[Handle, ...] = ()
     try:
         params = plan.denoise_params(index)
         previews = _Previews(stages, index, emit, len(params.previews))
         start = inputs.encode_start(image_id, params.seed) if inputs.masked else None
+        controls = inputs.encode_controls(image_id, params.seed)
         while True:
             call_id = image_id if not retries else f"{image_id}-retry{retries}"
             prompt, image_latents = inputs.prompt, inputs.conditions(start)
             try:
                 if latents is None:
-                    async for event in stages.denoise(call_id, params, prompt, image_latents, start):
+                    async for event in stages.denoise(call_id, params, prompt, image_latents, start, controls):
                         if isinstance(event, StepDone):
                             emit(Progress(index, event.step, event.total))
                         elif isinstance(event, Preview):
@@ -275,6 +287,10 @@ async def _run_image(
                 if lost.call is StageCall.ENCODE_IMAGE and start is not None:
                     stages.cancel(start)
                     start = inputs.encode_start(f"{image_id}-retry{retries}", params.seed)
+                if lost.call is StageCall.ENCODE_IMAGE and controls:  # which one was lost is not said: all again
+                    for handle in controls:
+                        stages.cancel(handle)
+                    controls = inputs.encode_controls(f"{image_id}-retry{retries}", params.seed)
                 inputs.reissue(lost.call, prompt if lost.call is StageCall.ENCODE_PROMPT else image_latents)
                 await asyncio.sleep(0.2 * retries)  # let Serve notice the dead replica before the retry is routed
     except OmniRayError as err:
@@ -287,6 +303,8 @@ async def _run_image(
             previews.cancel()
         if start is not None:
             stages.cancel(start)
+        for handle in controls:
+            stages.cancel(handle)
 
 
 class _Previews:

@@ -58,8 +58,8 @@ class FakeStages(Stages[Call]):
             self.lost.add(id(call))
         return call
 
-    def encode_image(self, request_id, image, seed=None):
-        call = self._call("encode_image", request_id, image, *([seed] if seed is not None else []))
+    def encode_image(self, request_id, image, seed=None, draw=0):
+        call = self._call("encode_image", request_id, image, *([seed, draw] if seed is not None else []))
         if self._loses("encode_image"):
             self.lost.add(id(call))
         return call
@@ -74,11 +74,11 @@ class FakeStages(Stages[Call]):
                 call.cancelled = True
                 raise
 
-    async def denoise(self, request_id, params, prompt, image_latents, start=None):
-        call = self._call("denoise", request_id, params, prompt, image_latents, start)
+    async def denoise(self, request_id, params, prompt, image_latents, start=None, controls=()):
+        call = self._call("denoise", request_id, params, prompt, image_latents, start, controls)
         if id(prompt) in self.lost:
             raise StageLostError("encoder", StageCall.ENCODE_PROMPT)
-        if any(id(handle) in self.lost for handle in (*image_latents, start)):
+        if any(id(handle) in self.lost for handle in (*image_latents, start, *controls)):
             raise StageLostError("vae", StageCall.ENCODE_IMAGE)
         await self._run(call)
         for step in range(1, params.steps_run + 1):

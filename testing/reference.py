@@ -166,6 +166,35 @@ def reference_masked(pipe, image: Image.Image, repaint: Image.Image, seed: int, 
     return (pixels.images[0] * 255).round().astype(np.uint8)
 
 
+def reference_controlnet(pipe, control_images, seed: int, **kwargs) -> np.ndarray:
+    """uint8 ``[H, W, 3]``: diffusers' ``QwenImageControlNetPipeline`` ``pipe`` with ``control_images`` (PIL images
+    or uint8 ``[H, W, 3]`` arrays, in the request's order, each at the output's size: the pipeline would resize
+    them, and omni-ray refuses any other size), the seed's CPU generator, and ``kwargs`` (prompt,
+    ``controlnet_conditioning_scale``, ``control_guidance_start`` / ``_end`` as lists for several, ...). Several
+    control images need a ``QwenImageMultiControlNetModel``, which in diffusers 0.42 holds exactly one net (a
+    ControlNet-Union, run once per control image with that image's scale; more nets raise): the parity of several
+    controls is that of one preset ControlNet named by every control. One image takes a single
+    ``QwenImageControlNetModel`` too. The output's size is the control images' unless ``height`` / ``width`` are
+    given.
+
+    The pipeline draws from the one generator, in order: each control image's latent sample (``retrieve_latents``),
+    then the noise; omni-ray's VAE gives the k-th control image's sample with ``ImageEncodeRequest.draw`` k, and its
+    DiT draws the noise after as many samples of the control latents' shape."""
+    from diffusers import QwenImageMultiControlNetModel
+
+    images = [Image.fromarray(image) if isinstance(image, np.ndarray) else image for image in control_images]
+    if not images or any(image.size != images[0].size for image in images):
+        raise ValueError("control images: at least one, all of one size")
+    multi = isinstance(pipe.controlnet, QwenImageMultiControlNetModel)
+    if not multi and len(images) != 1:
+        raise ValueError("several control images need a QwenImageMultiControlNetModel")
+    kwargs.setdefault("width", images[0].width)
+    kwargs.setdefault("height", images[0].height)
+    pixels = pipe(control_image=images if multi else images[0], generator=torch.Generator("cpu").manual_seed(seed),
+                  output_type="np", **kwargs)
+    return (pixels.images[0] * 255).round().astype(np.uint8)
+
+
 def openai_mask(repaint: np.ndarray) -> bytes:
     """OpenAI's mask for a boolean ``[H, W]`` array: an RGBA PNG, fully transparent where ``repaint`` is set."""
     pixels = np.zeros((*repaint.shape, 4), np.uint8)

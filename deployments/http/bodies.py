@@ -58,25 +58,31 @@ async def json_object(request: Request, fields: tuple[str, ...]) -> dict:
     return body
 
 
-async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], list[bytes], bytes | None]:
-    """An edit's multipart form: its text fields, the bytes of its ``image`` files in order (``image``, or
-    ``image[]`` as OpenAI's client sends a list; planning counts them against the preset), and its ``mask`` file's
-    (None without one)."""
+async def _read_form(request: Request, limit: int, param: str, what: str):
+    """A multipart (or url-encoded) form of at most ``limit`` bytes, parsed; its too-many-files error names
+    ``param``. ``what`` says what the body must hold."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        raise RequestError("request body must be multipart/form-data with an `image` file and a `prompt`", param=None)
-    body = await read_limited(request, limit, param="image")
+        raise RequestError(f"request body must be multipart/form-data with {what}", param=None)
+    body = await read_limited(request, limit, param=param)
 
     async def replay() -> dict:
         return {"type": "http.request", "body": body, "more_body": False}
 
     try:
-        form = await Request(request.scope, replay).form(max_files=MAX_FILES, max_fields=64)
+        return await Request(request.scope, replay).form(max_files=MAX_FILES, max_fields=64)
     except Exception as err:  # Starlette's parser raises HTTPException or MultiPartException
         detail = getattr(err, "detail", err)
         if "Too many files" in str(detail):
-            raise RequestError(f"image: at most {MAX_FILES} files per request", param="image") from None
+            raise RequestError(f"{param}: at most {MAX_FILES} files per request", param=param) from None
         raise RequestError(f"malformed multipart body: {detail}", param=None) from None
+
+
+async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], list[bytes], bytes | None]:
+    """An edit's multipart form: its text fields, the bytes of its ``image`` files in order (``image``, or
+    ``image[]`` as OpenAI's client sends a list; planning counts them against the preset), and its ``mask`` file's
+    (None without one)."""
+    form = await _read_form(request, limit, "image", "an `image` file and a `prompt`")
     fields, images, mask = {}, [], None
     try:
         for name, value in form.multi_items():
@@ -99,11 +105,39 @@ async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], list[
     return fields, images, mask
 
 
-async def json_body(request: Request) -> object:
-    """A JSON request body of at most ``MAX_BODY_BYTES``, decoded; RequestError when it is not JSON."""
-    body = await read_limited(request, MAX_BODY_BYTES)
+CONTROL_IMAGE_FIELDS = ("control_image", "control_image[]")  # a generation's control images, in `control`'s order
+
+
+async def generation_form(request: Request, limit: int) -> tuple[dict[str, str], list[bytes]]:
+    """A generation's multipart form (a request with ControlNets sending its control images as files): its text
+    fields (``control`` among them, as JSON text without images) and the bytes of its ``control_image`` files
+    (or ``control_image[]``), in order."""
+    form = await _read_form(request, limit, "control_image", "a `prompt` (and `control` with its `control_image` "
+                            "files)")
+    fields, images = {}, []
     try:
-        return json.loads(body)
+        for name, value in form.multi_items():
+            if name in CONTROL_IMAGE_FIELDS and isinstance(value, UploadFile):
+                images.append(await value.read())
+            elif name in CONTROL_IMAGE_FIELDS or isinstance(value, UploadFile):
+                param = "control_image" if name in CONTROL_IMAGE_FIELDS else name
+                expected = "a file" if param == "control_image" else "a text field (files: `control_image`)"
+                raise RequestError(f"{param}: expected {expected}", param=param)
+            elif name in fields:
+                raise RequestError(f"{name}: given more than once", param=name)
+            else:
+                fields[name] = value
+    finally:
+        await form.close()
+    return fields, images
+
+
+async def json_body(request: Request, limit: int = MAX_BODY_BYTES) -> object:
+    """A JSON request body of at most ``limit`` bytes, decoded (on a thread past ``MAX_BODY_BYTES``: a generation's
+    base64 control images); RequestError when it is not JSON."""
+    body = await read_limited(request, limit)
+    try:
+        return json.loads(body) if len(body) <= MAX_BODY_BYTES else await asyncio.to_thread(json.loads, body)
     except ValueError:
         raise RequestError("request body is not valid JSON", param=None) from None
 

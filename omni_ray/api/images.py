@@ -4,15 +4,18 @@ written as PNG, JPEG or WebP. Pillow and numpy only; both run on worker threads,
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
+import re
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
 
 from omni_ray.api.planning import check_sides
-from omni_ray.api.schema import OutputFormat
+from omni_ray.api.schema import ImageGenerationRequest, OutputFormat
 from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.errors import PayloadTooLargeError, RequestError
 from omni_ray.qwen_image import EDIT_SIDE_MULTIPLE, VAE_COMPRESSION
@@ -138,36 +141,94 @@ def mask_grid(repaint, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(binary[::VAE_COMPRESSION, ::VAE_COMPRESSION])
 
 
-def open_input_image(data: bytes, max_bytes: int, which: str = "", rgba: bool = False):
+def open_input_image(data: bytes, max_bytes: int, which: str = "", rgba: bool = False, param: str = "image"):
     """An uploaded file as an RGB PIL image (with ``rgba``, RGBA: Qwen-Image 2.1's VAE reads alpha, opaque where
-    the file has none, as its pipeline converts), its EXIF orientation applied; every refusal names ``image`` and
-    starts with ``which`` (which of several files it is)."""
+    the file has none, as its pipeline converts), its EXIF orientation applied; every refusal names ``param`` (the
+    ``image`` of an edit, ``control[k].image`` of a control image) and starts with ``which`` (which of several files
+    it is)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
-        raise RequestError(f"image: {which}an empty file", param="image")
+        raise RequestError(f"{param}: {which}an empty file", param=param)
     if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"image: {which}the file is {len(data)} bytes; the limit is {max_bytes}",
-                                   param="image")
+        raise PayloadTooLargeError(f"{param}: {which}the file is {len(data)} bytes; the limit is {max_bytes}",
+                                   param=param)
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:
-        raise RequestError(f"image: {which}more than {MAX_INPUT_PIXELS} pixels", param="image") from None
+        raise RequestError(f"{param}: {which}more than {MAX_INPUT_PIXELS} pixels", param=param) from None
     except UnidentifiedImageError:
-        raise RequestError(f"image: {which}not a readable image file; send PNG, JPEG or WebP", param="image") from None
+        raise RequestError(f"{param}: {which}not a readable image file; send PNG, JPEG or WebP", param=param) from None
     except Exception as err:  # a header Pillow cannot read: truncated, oversized chunks, ...
-        raise RequestError(f"image: {which}the file is corrupt or truncated ({err})", param="image") from None
+        raise RequestError(f"{param}: {which}the file is corrupt or truncated ({err})", param=param) from None
     if image.format not in INPUT_FORMATS:
-        raise RequestError(f"image: {which}{image.format} files are not supported; send PNG, JPEG or WebP",
-                           param="image")
+        raise RequestError(f"{param}: {which}{image.format} files are not supported; send PNG, JPEG or WebP",
+                           param=param)
     if image.width * image.height > MAX_INPUT_PIXELS:
         raise RequestError(
-            f"image: {which}{image.width}x{image.height} is more than {MAX_INPUT_PIXELS} pixels", param="image"
+            f"{param}: {which}{image.width}x{image.height} is more than {MAX_INPUT_PIXELS} pixels", param=param
         )
     try:
         return ImageOps.exif_transpose(image).convert("RGBA" if rgba else "RGB")  # decodes the whole file
     except Exception as err:
-        raise RequestError(f"image: {which}the file is corrupt or truncated ({err})", param="image") from None
+        raise RequestError(f"{param}: {which}the file is corrupt or truncated ({err})", param=param) from None
+
+
+_DATA_URL = re.compile(r"^data:image/[\w.+-]+;base64,", re.IGNORECASE)
+
+
+def base64_limit(max_bytes: int) -> int:
+    """Characters of the base64 text of a file of ``max_bytes`` bytes (a data URL's header aside)."""
+    return 4 * math.ceil(max_bytes / 3)
+
+
+def decode_base64_file(text: str, max_bytes: int, param: str) -> bytes:
+    """A file sent in a JSON body: plain base64, or a data URL (``data:image/png;base64,...``); RequestError naming
+    ``param`` for text that is neither, PayloadTooLargeError (413) for a file past ``max_bytes`` (told from the
+    text's length before decoding)."""
+    text = _DATA_URL.sub("", text.strip(), count=1)
+    if text.startswith("data:"):
+        raise RequestError(f"{param}: a data URL must be base64 (data:image/png;base64,...)", param=param)
+    if len(text) > base64_limit(max_bytes) + 64:  # line breaks some encoders insert aside
+        raise PayloadTooLargeError(f"{param}: the file is about {len(text) * 3 // 4} bytes; the limit is {max_bytes}",
+                                   param=param)
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{param}: not base64 text; send the PNG, JPEG or WebP file base64-encoded, or as a data "
+                           "URL", param=param) from None
+
+
+def load_control_images(request: ImageGenerationRequest, files: Sequence[bytes] | None, max_bytes: int
+                        ) -> tuple[np.ndarray, ...]:
+    """The request's control images (``control``), decoded as uint8 ``[H, W, 3]`` and not resized (planning refuses
+    one that is not the output's size): in a JSON body each control's ``image`` (base64 or a data URL); in a
+    multipart body the ``control_image`` ``files``, one per control in order, and no control with an ``image``.
+    Each refusal names ``control[k].image`` (or ``control_image`` for files that do not match the controls): an
+    empty, unreadable, corrupt or unsupported file, or one of more than ``MAX_INPUT_PIXELS``; past ``max_bytes``,
+    a 413."""
+    controls = request.control or []
+    if files is not None:
+        if not controls and files:
+            raise RequestError("control_image: control images without `control`; send `control` (JSON text) naming "
+                               "a ControlNet for each", param="control_image")
+        for k, control in enumerate(controls):
+            if control.image is not None:
+                raise RequestError(f"control[{k}].image: in a multipart body the control images are `control_image` "
+                                   "files, in the controls' order, not base64 text", param=f"control[{k}].image")
+        if len(files) != len(controls):
+            raise RequestError(f"control_image: {len(files)} file(s) for {len(controls)} control(s); send one "
+                               "`control_image` file per control, in order", param="control_image")
+        datas = list(files)
+    else:
+        datas = []
+        for k, control in enumerate(controls):
+            if control.image is None:
+                raise RequestError(f"control[{k}].image: required: the control image as a base64 PNG, JPEG or WebP "
+                                   "file, or a data URL", param=f"control[{k}].image")
+            datas.append(decode_base64_file(control.image, max_bytes, f"control[{k}].image"))
+    return tuple(np.asarray(open_input_image(data, max_bytes, param=f"control[{k}].image"))
+                 for k, data in enumerate(datas))
 
 
 def _resized(image, config: PipelineConfig, area: int, what: str) -> np.ndarray:

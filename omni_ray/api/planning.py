@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_ray import qwen_image21
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
-from omni_ray.config import CacheSettings, LoraEntry, PipelineConfig, SamplingRecipe
+from omni_ray.config import CacheSettings, EditConfig, LoraEntry, PipelineConfig, SamplingRecipe
 from omni_ray.errors import NotFoundError, RequestError
 from omni_ray.qwen_image import (
     INPAINT_STRENGTH,
@@ -26,7 +26,7 @@ from omni_ray.qwen_image import (
     template_for,
     uses_true_cfg,
 )
-from omni_ray.records import DenoiseParams, Inpaint, InputImages, LoraRef, TokenCount
+from omni_ray.records import Control, DenoiseParams, Inpaint, InputImages, LoraRef, TokenCount
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,6 +57,9 @@ class GenerationPlan:
     tenant: str = ""  # who the DiT shares steps fairly between: the caller's API key's name, or `user`
     sigmas: tuple[float, ...] | None = None  # Qwen-Image 2.1 left at the checkpoint's steps: its sample_sigmas
     rgba: bool = False  # the images come with an alpha channel (Qwen-Image 2.1's VAE draws RGBA)
+    controls: tuple[Control, ...] = ()  # the ControlNets the request applies (`control`), in its order
+    control_images: tuple[np.ndarray, ...] = ()  # their control images, uint8 [height, width, 3] each (the output's
+    # size), in the same order: the VAE samples each with an image's seed, the k-th after k others
 
     def __post_init__(self) -> None:
         if self.true_cfg_scale is None:
@@ -69,7 +72,7 @@ class GenerationPlan:
         params = DenoiseParams(
             self.height, self.width, self.num_inference_steps, self.seed + index, self.true_cfg_scale, self.cache,
             self.lora, true_cfg=self.true_cfg, priority=request.priority, tenant=self.tenant,
-            scheduler=self.scheduler, inpaint=self.inpaint, sigmas=self.sigmas,
+            scheduler=self.scheduler, inpaint=self.inpaint, sigmas=self.sigmas, controls=self.controls,
         )
         previews = preview_steps(request.partial_images if request.stream else 0, params.steps_run)
         return dataclasses.replace(params, previews=tuple(params.first_step + step for step in previews))
@@ -107,6 +110,7 @@ def plan_request(
     image: np.ndarray | InputImages | None = None,
     adapters: Mapping[str, LoraEntry] | None = None,
     has_image: bool | None = None,
+    control_images: Sequence[np.ndarray] | None = None,
 ) -> GenerationPlan:
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
 
@@ -115,14 +119,19 @@ def plan_request(
     limit and counted in the response's ``usage``. ``adapters`` (name -> file and sampling recipe) are the LoRA
     adapters ``model`` may name; a request naming one with a recipe gets the recipe's steps, true CFG scale and
     scheduler settings for the fields it does not set. ``has_image`` says the request brought an image that was not
-    decoded (the preset takes none).
+    decoded (the preset takes none). ``control_images`` are the request's control images, decoded
+    (``api.images.load_control_images``: the coordinator decodes them on a thread, from a multipart body's files or
+    the JSON body); without them, a JSON body's are decoded here.
     """
     # 1. The route, then the body: what OpenAI's schema and this server take.
     inputs = InputImages.of(image) if image is not None else None
-    check_route(config, has_image=image is not None if has_image is None else has_image,
-                has_mask=inputs is not None and inputs.mask is not None)
+    has_image = image is not None if has_image is None else has_image
+    if asks_for_control(body):
+        check_control_route(config, has_image)
+    check_route(config, has_image=has_image, has_mask=inputs is not None and inputs.mask is not None)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
     check_fields(request, config)
+    controls = check_controls(request, config)
     # 2. The model: the base, or a LoRA adapter and its sampling recipe.
     lora = resolve_model(request, config, adapters or {})
     recipe = adapters[lora.name].recipe if lora is not None else None
@@ -135,6 +144,14 @@ def plan_request(
     height, width = resolve_size(request, config, inputs.sizes[-1] if inputs is not None and inputs.conditions
                                  else None)
     inpaint = check_mask(request, inputs, height, width)
+    if controls and control_images is None:
+        from omni_ray.api.images import load_control_images  # images imports this module
+
+        control_images = load_control_images(request, None, max_image_bytes(config))
+    control_images = check_control_images(controls, control_images or (), height, width)
+    if controls:  # the decoded images are the plan's: it keeps no base64 text
+        request = request.model_copy(update={"control": [c.model_copy(update={"image": None})
+                                                         for c in request.control]})
     steps = resolve_steps(request, config, recipe, inpaint)
     sigmas = checkpoint_sigmas(request, config, recipe)
     if sigmas is not None:
@@ -163,7 +180,74 @@ def plan_request(
         tenant=request.user or "",
         sigmas=sigmas,
         rgba=config.family == qwen_image21.FAMILY,
+        controls=controls,
+        control_images=control_images,
     )
+
+
+def asks_for_control(body: object) -> bool:
+    """Whether a body, parsed or not, sets ``control`` to a non-empty value."""
+    if isinstance(body, ImageGenerationRequest):
+        return bool(body.control)
+    return isinstance(body, dict) and body.get("control") not in (None, [], "", "null", "[]")
+
+
+def check_control_route(config: PipelineConfig, has_image: bool) -> None:
+    """RequestError naming ``control`` where ControlNets do not run: on Qwen-Image 2.1, on an edit preset, and with
+    an image or mask to edit (diffusers' ControlNet pipeline draws from text alone)."""
+    if config.family == qwen_image21.FAMILY:
+        raise RequestError("control: ControlNets are Qwen-Image's; Qwen-Image 2.1 presets take none", param="control")
+    if config.edit is not None:
+        raise RequestError(f"control: {config.name!r} edits images; ControlNets run on a text-to-image preset's "
+                           "/v1/images/generations", param="control")
+    if has_image:
+        raise RequestError("control: not with an image or a mask; ControlNets run on /v1/images/generations",
+                           param="control")
+
+
+def check_controls(request: ImageGenerationRequest, config: PipelineConfig) -> tuple[Control, ...]:
+    """The request's ControlNets as the DiT takes them (``Control``); RequestError naming ``control`` where none
+    run (``check_control_route``), when the preset holds none or the request sends more than
+    ``requests.max_controls``, and ``control[k].name`` for a name the preset does not hold (the known listed). The
+    schema has checked each one's scale (0 to 10) and its start below its end (both 0 to 1)."""
+    if not request.control:
+        return ()
+    check_control_route(config, has_image=False)
+    if not config.controlnets:
+        raise RequestError(f"control: {config.name!r} holds no ControlNets (the preset's controlnets)",
+                           param="control")
+    limit = config.requests.max_controls
+    if len(request.control) > limit:
+        raise RequestError(f"control: at most {limit} per request here (requests.max_controls), got "
+                           f"{len(request.control)}", param="control")
+    for k, control in enumerate(request.control):
+        if control.name not in config.controlnets:
+            known = ", ".join(sorted(config.controlnets))
+            raise RequestError(f"control[{k}].name: no ControlNet {control.name!r} here; the ControlNets are {known}",
+                               param=f"control[{k}].name")
+    return tuple(Control(control.name, control.scale, control.start, control.end) for control in request.control)
+
+
+def check_control_images(controls: tuple[Control, ...], images: Sequence[np.ndarray], height: int, width: int
+                         ) -> tuple[np.ndarray, ...]:
+    """The control images, one per control and each the output's size: diffusers' pipeline would resize one of
+    another size to it, which this server refuses (RequestError naming ``control[k].image``) rather than stretch
+    it."""
+    if len(images) != len(controls):
+        raise RequestError(f"control_image: {len(images)} control image(s) for {len(controls)} control(s)",
+                           param="control_image")
+    for k, image in enumerate(images):
+        if image.shape[:2] != (height, width):
+            raise RequestError(
+                f"control[{k}].image: {image.shape[1]}x{image.shape[0]}, but the output is {width}x{height}; send "
+                "the control image at the output's size (or set `size` to the image's): it is not resized",
+                param=f"control[{k}].image")
+    return tuple(images)
+
+
+def max_image_bytes(config: PipelineConfig) -> int:
+    """The largest image file a request may send (an edit's upload, a mask, a control image)."""
+    return (config.edit or EditConfig()).max_image_bytes
 
 
 def checkpoint_sigmas(request: ImageGenerationRequest, config: PipelineConfig, recipe: SamplingRecipe | None

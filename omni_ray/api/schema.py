@@ -7,15 +7,41 @@ of ``POST /v1/images/edits`` beside its ``image`` file; ``parse_request`` valida
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from omni_ray.config import CacheSettings, Number, field_errors
 from omni_ray.errors import RequestError
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_SEED = 2**63 - 1
+
+
+class ControlSpec(BaseModel):
+    """One ControlNet a generation applies (diffusers' ``QwenImageControlNetPipeline``): one of the preset's
+    ``controlnets`` by name, with its control image at the output's size (never resized: one of another size is
+    refused)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(..., description="One of the preset's `controlnets`.")
+    image: str | None = Field(
+        None, description="The control image: a base64 PNG, JPEG or WebP file, or a data URL of one, at the output's "
+        "size (width x height). In a multipart body, absent: the images are `control_image` files, in order."
+    )
+    scale: Number = Field(1.0, ge=0.0, le=10.0, description="diffusers' controlnet_conditioning_scale.")
+    start: Number = Field(0.0, ge=0.0, le=1.0, description="diffusers' control_guidance_start: the share of the steps "
+                          "before the ControlNet acts.")
+    end: Number = Field(1.0, ge=0.0, le=1.0, description="diffusers' control_guidance_end: the share of the steps "
+                        "after which it stops.")
+
+    @model_validator(mode="after")
+    def _start_before_end(self) -> ControlSpec:
+        if self.start >= self.end:
+            raise ValueError(f"start ({self.start:g}) must be below end ({self.end:g})")
+        return self
 
 
 class ImageGenerationRequest(BaseModel):
@@ -84,17 +110,25 @@ class ImageGenerationRequest(BaseModel):
         "transparent); diffusers' 0.6 when omitted."
     )
 
-    @field_validator("cache", mode="before")
+    control: list[ControlSpec] | None = Field(
+        None, description="omni-ray's: ControlNets to apply (generations on a text-to-image preset), each "
+        "{name, image, scale, start, end}; at most the preset's requests.max_controls. A multipart body sends this "
+        "list as JSON text without the images, and the images as `control_image` files in the same order."
+    )
+
+    @field_validator("cache", "control", mode="before")
     @classmethod
-    def _form_field_is_json(cls, value):
-        """A multipart form (edits) carries ``cache`` as JSON text."""
+    def _form_field_is_json(cls, value, info):
+        """A multipart form carries ``cache`` and ``control`` as JSON text."""
         if not isinstance(value, str):
             return value
         try:
             return json.loads(value)
         except json.JSONDecodeError:
-            example = '{"kind": "first_block", "threshold": 0.1}'
-            raise ValueError(f"expected a JSON object such as {example}, or null") from None
+            example = '{"kind": "first_block", "threshold": 0.1}' if info.field_name == "cache" else \
+                '[{"name": "canny", "scale": 0.8}]'
+            kind = "a JSON object" if info.field_name == "cache" else "a JSON list"
+            raise ValueError(f"expected {kind} such as {example}, or null") from None
 
     @field_validator("prompt")
     @classmethod
@@ -113,4 +147,5 @@ def parse_request(body: object, form: bool = False) -> ImageGenerationRequest:
         return ImageGenerationRequest.model_validate(body, strict=not form)
     except ValidationError as err:
         param, message = field_errors(err, unknown="unknown parameter")[0]
+        param = re.sub(r"\.(\d+)", r"[\1]", param) if param else param  # control.0.scale -> control[0].scale
         raise RequestError(f"{param}: {message}" if param else message, param=param) from None

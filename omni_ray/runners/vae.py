@@ -88,7 +88,7 @@ class BatchedVae:
         if isinstance(requests[0], ImageEncodeRequest):
             if self.comm.rank != 0:
                 return {}
-            encoded = self.encode([r.image for r in requests], [r.seed for r in requests])
+            encoded = self.encode([r.image for r in requests], [r.seed for r in requests], [r.draw for r in requests])
             return dict(zip((r.request_id for r in requests), encoded))
         to_decode = [request for request in requests if request.output != "latents"]
         pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
@@ -152,18 +152,25 @@ class VaeRunner(BatchedVae):
         image = self.image_processor.denormalize(image).permute(0, 2, 3, 1).float()
         return (image * 255).round().to(torch.uint8)
 
-    def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None) -> list[Latents]:
+    def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None,
+               draws: list[int] | None = None) -> list[Latents]:
         """Encodes same-size uint8 images ``[H, W, 3]`` in one VAE call; returns each one's packed latents: the
-        latent distribution's mode, or where ``seeds`` gives one, a sample drawn with it."""
+        latent distribution's mode, or where ``seeds`` gives one, a sample drawn with it (with ``draws``, the
+        seed's generator's ``draws[i]``-th sample of that shape: a request's k-th control image)."""
         height, width = images[0].shape[:2]
-        return [Latents(to_host(row), height, width) for row in self._encode(images, seeds or [None] * len(images))]
+        seeds = seeds or [None] * len(images)
+        rows = self._encode(images, seeds, draws or [0] * len(images))
+        return [Latents(to_host(row), height, width) for row in rows]
 
     @torch.inference_mode()
-    def _encode(self, images: list[np.ndarray], seeds: list[int | None]) -> torch.Tensor:
+    def _encode(self, images: list[np.ndarray], seeds: list[int | None], draws: list[int]) -> torch.Tensor:
         """The images' packed latents ``[B, tokens, 64]``, on the device. A mode is normalised as diffusers' edit
         pipelines normalise it; a sample is drawn on the CPU from ``torch.Generator().manual_seed(seed)`` in the
         distribution's shape and normalised as diffusers' inpaint pipelines do (``_encode_vae_image`` with a
-        generator)."""
+        generator). A row's ``draw`` skips that many draws of the same shape first: diffusers' controlnet pipelines
+        sample each control image in turn from the one generator (``retrieve_latents``, whose ``latent_dist.sample``
+        is ``randn_tensor`` of the distribution's shape), so the k-th control image's sample is the generator's
+        (k+1)-th. Samples are per row: seeds and draws never split a batch."""
         from PIL import Image
 
         height, width = images[0].shape[:2]
@@ -173,12 +180,15 @@ class VaeRunner(BatchedVae):
         mean, logvar = moments.chunk(2, dim=1)
         latents_mean, latents_std = self.latents_mean.to(self.dtype), self.latents_std.to(self.dtype)
         normalised = (mean - latents_mean) / latents_std
-        for row, seed in enumerate(seeds):
+        shape = (1, *mean.shape[1:2], 1, *mean.shape[2:])  # the distribution's: [1, z_dim, frames=1, h, w]
+        for row, (seed, draw) in enumerate(zip(seeds, draws)):
             if seed is None:
                 continue
             std = torch.exp(0.5 * torch.clamp(logvar[row], -30.0, 20.0))
             generator = torch.Generator("cpu").manual_seed(seed)
-            eps = torch.randn((1, *mean.shape[1:2], 1, *mean.shape[2:]), generator=generator, dtype=mean.dtype)
+            for _ in range(draw):  # the earlier control images' samples
+                torch.randn(shape, generator=generator, dtype=mean.dtype)
+            eps = torch.randn(shape, generator=generator, dtype=mean.dtype)
             sample = mean[row] + std * eps[0, :, 0].to(self.device)
             normalised[row] = (sample - latents_mean[0]) * (1.0 / latents_std[0])
         return pack_latents(normalised.contiguous().unsqueeze(1))  # [B, frames=1, z_dim, h, w] -> [B, tokens, 64]

@@ -106,10 +106,11 @@ class VaeRunner21(BatchedVae):
         image = self.image_processor.denormalize(image).permute(0, 2, 3, 1).float()
         return (image * 255).round().to(torch.uint8)
 
-    def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None) -> list[Latents]:
+    def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None,
+               draws: list[int] | None = None) -> list[Latents]:
         """Encodes same-size uint8 condition images ``[H, W, 3 or 4]`` (RGB or RGBA, at their working size) in one
-        VAE call; returns each one's normalised packed latents ``[tokens, 64]``. A seed (a sample, not the mode)
-        raises ValueError."""
+        VAE call; returns each one's normalised packed latents ``[tokens, 64]``. A seed (a sample, not the mode, and
+        so ``draws``) raises ValueError."""
         if any(seed is not None for seed in seeds or ()):
             raise ValueError(SEEDED_SAMPLE)
         height, width = images[0].shape[:2]
