@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from omni_ray.config import CacheSettings
-from omni_ray.records import DenoiseBatch, DenoiseParams, DenoiseRequest, Latents, LoraRef, PromptEmbeds
+from omni_ray.records import Control, DenoiseBatch, DenoiseParams, DenoiseRequest, Latents, LoraRef, PromptEmbeds
 from omni_ray.runners.lora import read_lora
 
 FIRST_BLOCK = CacheSettings(kind="first_block", threshold=0.2)
@@ -88,3 +88,46 @@ def diffusers_image(model: str, request: DenoiseRequest) -> np.ndarray:
                  height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
                  generator=torch.Generator("cpu").manual_seed(params.seed)).images[0]
     return np.asarray(image)
+
+
+def control_requests(dim: int, steps: int = 4) -> list[list[DenoiseRequest]]:
+    """ControlNet rows (controlnets ``a`` and ``b``, see ``denoise_controls``), one list per batch key: with and
+    without true CFG, a row without control beside them, a row with two controls, one with a window, one with a
+    first-block cache; 48x80 (15 tokens), so that a sequence split pads. The control latents are drawn at random:
+    the runner takes them as they come."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [PromptEmbeds(torch.randn(n, dim, generator=generator)) for n in (7, 12)]
+    negative = PromptEmbeds(torch.randn(5, dim, generator=generator))
+
+    def request(rid, prompt, controls, cfg=False, **params):
+        latents = tuple(Latents(torch.randn(15, 64, generator=generator), 48, 80) for _ in controls)
+        params = DenoiseParams(48, 80, steps, seed=len(rid) * 7 + ord(rid[-1]), true_cfg=cfg,
+                               true_cfg_scale=4.0 if cfg else 1.0, controls=controls, **params)
+        return DenoiseRequest(rid, params, prompts[prompt], negative if cfg else None, controls=latents)
+
+    a, b = Control("a"), Control("b", 0.8, 0.25, 0.75)
+    return [
+        [request("ctl-a", 0, (a,)), request("ctl-none", 1, ()), request("ctl-ab", 1, (a, b)),
+         request("ctl-cached", 0, (b,), cache=FIRST_BLOCK)],
+        [request("cfg-ctl-a", 1, (a,), cfg=True), request("cfg-ctl-none", 0, (), cfg=True),
+         request("cfg-ctl-b", 0, (Control("b", 1.2),), cfg=True, cache=TEACACHE)],
+    ]
+
+
+def denoise_controls(mesh, model: str, controlnets: dict[str, str], steps: int = 4, split: str = "sequence"
+                     ) -> dict[str, torch.Tensor]:
+    """``control_requests``' final latents on this rank (``mesh`` None: one process), each batch key's requests
+    stepped together through ``DenoiseRunner.execute_model``."""
+    from omni_ray.runners.denoise import DenoiseRunner
+
+    torch.manual_seed(0)
+    runner = DenoiseRunner.load(model, mesh=mesh, controlnets=controlnets)
+    latents = {}
+    for group in control_requests(runner.transformer.config.joint_attention_dim, steps):
+        ids, new = [r.request_id for r in group], group
+        for _ in range(steps):
+            output = runner.execute_model(DenoiseBatch(new, ids, [], split))
+            assert not output.errors, output.errors
+            new = []
+            latents.update({rid: result.latents for rid, result in output.finished.items()})
+    return latents

@@ -2,6 +2,7 @@
 
     python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit | --edit-plus |
                                                                         --qwen-image-2-1]
+    python -m omni_ray.checkpoints.tiny OUT_DIR --controlnet --from CHECKPOINT [--seed N] [--layers N]
 
 The folders are the ones ``Qwen/Qwen-Image`` ships (``model_index.json``, ``scheduler/``, ``text_encoder/``,
 ``tokenizer/``, ``transformer/``, ``vae/``), so ``QwenImagePipeline.from_pretrained(OUT_DIR)`` loads it and vLLM
@@ -18,6 +19,9 @@ folders plus ``processor/`` (Qwen2.5-VL's processor, for the vision path), loade
 - the scheduler config is Qwen-Image's own.
 
 ``--qwen-image-2-1`` writes a Qwen-Image 2.1 checkpoint instead (``omni_ray.checkpoints.tiny21``).
+
+``--controlnet --from CHECKPOINT`` writes a ``QwenImageControlNetModel`` for that checkpoint's transformer instead
+(``write_controlnet``): the folder a preset's ``controlnets`` names.
 
 ``--size small`` widens and deepens the transformer (4 layers, 128 wide) so that compute, not per-call overhead,
 dominates a request on a CPU; it is the benchmark checkpoint. The same seed writes the same bytes.
@@ -193,6 +197,48 @@ def write_checkpoint(
     return out
 
 
+CONTROLNET_OUTPUT_SCALE = 0.25  # the residual projections' weights, over ``randomised``'s fan-in scale
+
+
+def write_controlnet(
+    out_dir: str | pathlib.Path, transformer: str | pathlib.Path, seed: int = 0, num_layers: int = 2
+) -> pathlib.Path:
+    """Writes a ``QwenImageControlNetModel`` (InstantX's Qwen-Image ControlNet Union's class) of ``num_layers``
+    blocks matching the transformer of ``transformer`` (a checkpoint folder with ``transformer/``, or the
+    transformer's own folder) to ``out_dir``, loadable with ``QwenImageControlNetModel.from_pretrained(out_dir)``;
+    returns its path.
+
+    Every weight is drawn (``parts.randomised``): the real initialisation zeroes the residual projections
+    (``controlnet_blocks``) and the control image's embedder, so a fresh controlnet would add nothing and a test
+    of it would prove nothing. The residual projections are scaled by ``CONTROLNET_OUTPUT_SCALE`` so that the
+    residuals move the image clearly without swamping the transformer's own activations. The same seed writes the
+    same bytes."""
+    from diffusers import QwenImageControlNetModel, QwenImageTransformer2DModel
+
+    folder = pathlib.Path(transformer)
+    if (folder / "transformer" / "config.json").exists():
+        folder = folder / "transformer"
+    config = QwenImageTransformer2DModel.load_config(folder)
+    torch.manual_seed(seed)
+    model = QwenImageControlNetModel(
+        patch_size=config["patch_size"],
+        in_channels=config["in_channels"],
+        out_channels=config["out_channels"],
+        num_layers=num_layers,
+        attention_head_dim=config["attention_head_dim"],
+        num_attention_heads=config["num_attention_heads"],
+        joint_attention_dim=config["joint_attention_dim"],
+        axes_dims_rope=tuple(config["axes_dims_rope"]),
+    )
+    model = randomised(model, seed + 5)
+    with torch.no_grad():
+        for block in model.controlnet_blocks:
+            block.weight.mul_(CONTROLNET_OUTPUT_SCALE)
+    out = pathlib.Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m omni_ray.checkpoints.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", help="directory to write the checkpoint to")
@@ -206,7 +252,18 @@ def main(argv: list[str] | None = None) -> None:
     layout.add_argument("--qwen-image-2-1", action="store_true",
                         help="write a Qwen-Image 2.1 checkpoint (QwenImage21Pipeline: Qwen3-VL, the block-causal "
                         "transformer, the 16x RGBA VAE)")
+    layout.add_argument("--controlnet", action="store_true",
+                        help="write a QwenImageControlNetModel for the checkpoint --from names (random weights)")
+    parser.add_argument("--from", dest="source", metavar="CHECKPOINT",
+                        help="--controlnet: the checkpoint (or its transformer/ folder) whose widths it takes")
+    parser.add_argument("--layers", type=int, default=2, help="--controlnet: its number of blocks (default 2)")
     args = parser.parse_args(argv)
+    if args.controlnet:
+        if args.source is None:
+            parser.error("--controlnet needs --from CHECKPOINT")
+        out = write_controlnet(args.out_dir, args.source, seed=args.seed, num_layers=args.layers)
+        print(f"wrote a {args.layers}-layer ControlNet for {args.source} (seed {args.seed}) to {out}")
+        return
     if args.qwen_image_2_1:
         from omni_ray.checkpoints import tiny21
 

@@ -8,6 +8,16 @@ same operations on the same values. An edit
 (``QwenImageEditPipeline``, or ``QwenImageEditPlusPipeline`` with up to three) also carries its input images' packed
 latents: they ride behind the noisy latents in every forward pass, one after another, each with its own entry in the
 rotary shapes, and the prediction for them is dropped.
+
+ControlNets (``QwenImageControlNetPipeline``; the preset's ``controlnets``, InstantX's Qwen-Image ControlNet Union)
+add residuals to the image tokens after each block, for the rows whose request applies them (``controls``): each
+controlnet runs once per step over the states that use it (their latents, control latents, conditional prompts and
+timesteps, batched), each of its samples scaled by the request's scale while its step lies in the control's window,
+and a request's controls summed in its order (as ``QwenImageMultiControlNetModel`` sums them). A true-CFG request's
+unconditional pass reuses the residuals of its conditional one, as diffusers' does. Rows without control get
+nothing added. In a gang each rank runs the controlnets whole for the states of the passes it runs (every sequence
+rank the same states) and adds its own chunk of their tokens; CFG ranks running one request's two passes each
+compute its residuals.
 """
 
 from __future__ import annotations
@@ -17,11 +27,17 @@ import logging
 import time
 
 import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImageControlNetModel,
+    QwenImageTransformer2DModel,
+)
 
 from omni_ray.config import ParallelSettings
-from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, VAE_COMPRESSION, check_side
+from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, VAE_COMPRESSION, check_side, latent_grid
 from omni_ray.records import (
+    Control,
     DenoiseParams,
     Latents,
     LoraRef,
@@ -29,7 +45,7 @@ from omni_ray.records import (
 )
 from omni_ray.runners.attention import use_real_rope
 from omni_ray.runners.denoise_state import DenoiseState, prepare_state
-from omni_ray.runners.dit_cache import BranchCache, cached_forward
+from omni_ray.runners.dit_cache import BranchCache, ControlRows, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.parallel.mesh import Comm, Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
@@ -51,10 +67,15 @@ class DenoiseRunner(SteppingRunner):
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE,
         max_loras: int = 4,
         mesh: Mesh | None = None,
+        controlnets: dict[str, QwenImageControlNetModel] | None = None,
     ):
         super().__init__(transformer, max_loras, mesh)
         check_heads(transformer.config.num_attention_heads, self.mesh.settings)
         use_real_rope(transformer)
+        self.controlnets = dict(controlnets or {})  # name -> the preset's controlnet, on the runner's device
+        check_controlnets(transformer, self.controlnets)
+        for controlnet in self.controlnets.values():
+            use_real_rope(controlnet.eval())
         self.teacache_coefficients = teacache_coefficients
         self.scheduler_config = scheduler_config
         self.num_channels_latents = transformer.config.in_channels // 4
@@ -65,6 +86,7 @@ class DenoiseRunner(SteppingRunner):
         cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False, max_loras: int = 4,
         compile: bool = False, quantization: str = "none", mesh: Mesh | None = None,
+        controlnets: dict[str, str] | None = None,
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
@@ -72,7 +94,9 @@ class DenoiseRunner(SteppingRunner):
         shapes: batch sizes, sub-batches of cache acceleration and text lengths vary). In a gang (``mesh``) with
         tensor ranks, each keeps its slice of the blocks' Linears (``parallel.tensor.shard_transformer``) before
         the transformer reaches the device. Known limit: each rank reads the whole checkpoint on its host first
-        (about 41 GB in bf16 at full size) rather than only its slice."""
+        (about 41 GB in bf16 at full size) rather than only its slice. ``controlnets`` (the preset's: name ->
+        folder of a ``QwenImageControlNetModel``) are loaded whole on every rank, in ``dtype`` on ``device``
+        (neither quantized nor compiled)."""
         tensor_parallel = mesh is not None and mesh.tensor.size > 1
         if dummy:  # the whole model on the host first when only a slice of it is to reach the device
             config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
@@ -90,7 +114,9 @@ class DenoiseRunner(SteppingRunner):
             logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
         if compile:
             compile_blocks(transformer)
-        return cls(transformer, scheduler_config, teacache_coefficients, max_loras, mesh)
+        nets = {name: QwenImageControlNetModel.from_pretrained(path, torch_dtype=dtype).to(device)
+                for name, path in (controlnets or {}).items()}
+        return cls(transformer, scheduler_config, teacache_coefficients, max_loras, mesh, nets)
 
     def warm_up(self, height: int, width: int, text_tokens: int = 64) -> float:
         """Steps an image of this size alone, with true CFG, and with true CFG and a shorter negative prompt, so
@@ -122,16 +148,46 @@ class DenoiseRunner(SteppingRunner):
         negative: PromptEmbeds | None = None,
         images: tuple[Latents, ...] = (),
         start: Latents | None = None,
+        controls: tuple[Latents, ...] = (),
     ) -> DenoiseState:
         """Refuses a request this replica cannot run, then draws its state (``denoise_state.prepare_state``): noise
-        and schedule; an edit's image latents in order; a masked edit's start from ``start``."""
+        and schedule; an edit's image latents in order; a masked edit's start from ``start``; the control images'
+        latents ``controls``, one per ``params.controls``, in order."""
         check_side("height", params.height)
         check_side("width", params.width)
         self.check_lora(params)
+        self.check_controls(params, images, controls)
         return prepare_state(
-            params, prompt, negative, images, start, scheduler_config=self.scheduler_config,
+            params, prompt, negative, images, start, controls, scheduler_config=self.scheduler_config,
             channels=self.num_channels_latents, device=self.device, dtype=self.dtype,
         )
+
+    def check_controls(self, params: DenoiseParams, images: tuple[Latents, ...], controls: tuple[Latents, ...]
+                       ) -> None:
+        """Raises ValueError naming ``control`` unless the request's ControlNets are this replica's and each comes
+        with its control image's latents at the output's size (text to image only: no edit, no masked edit)."""
+        if not params.controls and not controls:
+            return
+        if len(controls) != len(params.controls):
+            raise ValueError(f"control: {len(params.controls)} ControlNets applied but {len(controls)} control "
+                             "images' latents given")
+        if images or params.inpaint is not None:
+            raise ValueError("control: ControlNets guide text-to-image generation, not edits or masked edits")
+        rows, cols = latent_grid(params.height, params.width)
+        tokens = (rows // 2) * (cols // 2)
+        channels = self.transformer.config.in_channels
+        for k, (control, latents) in enumerate(zip(params.controls, controls)):
+            if control.name not in self.controlnets:
+                known = ", ".join(sorted(self.controlnets)) or "none"
+                raise ValueError(f"control: no ControlNet named {control.name!r} on this replica (it has: {known})")
+            if not 0.0 <= control.start < control.end <= 1.0:
+                raise ValueError(f"control: ControlNet {k}'s window {control.start}..{control.end} is not within "
+                                 "0..1 with its start before its end")
+            if (latents.height, latents.width) != (params.height, params.width) or \
+                    tuple(latents.latents.shape) != (tokens, channels):
+                raise ValueError(f"control: control image {k}'s latents are {tuple(latents.latents.shape)} for "
+                                 f"{latents.width}x{latents.height}, not {(tokens, channels)} for the output's "
+                                 f"{params.width}x{params.height}")
 
     @torch.inference_mode()
     def step(self, states: list[DenoiseState], split: str = "sequence") -> None:
@@ -207,7 +263,64 @@ class DenoiseRunner(SteppingRunner):
             latents, timesteps, [s.negative if branch else s.prompt for s, branch in passes],
             [s.img_shapes for s in states], [s.caches[branch] if s.caches else None for s, branch in passes],
             [(s.step_index, s.num_steps) for s in states], [s.params.lora for s in states], sequence,
+            self._control(states),
         )
+
+    def _control(self, rows: list[DenoiseState]) -> ControlRows | None:
+        """The ControlNet residuals of the forward whose row i steps ``rows[i]`` (a true-CFG request's two passes
+        share its conditional residuals), for the rows with a control acting at their step; None when none has."""
+        unique = list({id(s): s for s in rows if s.controls}.values())
+        sums = self._control_residuals(unique)
+        if not sums:
+            return None
+        with_control = [i for i, s in enumerate(rows) if id(s) in sums]
+        layers = len(next(iter(sums.values())))
+        samples = tuple(torch.cat([sums[id(rows[i])][j] for i in with_control]) for j in range(layers))
+        return ControlRows.of(samples, tuple(with_control), len(self.transformer.transformer_blocks))
+
+    def _control_residuals(self, states: list[DenoiseState]) -> dict[int, list[torch.Tensor]]:
+        """id(state) -> its residuals, one ``[1, image_tokens, dim]`` per controlnet block: each controlnet run once
+        over the (state, control) pairs that use it at this step (diffusers' ``controlnet_keep``: the step's share
+        ``i / steps`` to ``(i + 1) / steps`` within the control's window), scaled by the control's scale, and a
+        state's controls summed in its order. States whose controls all sit outside their windows are absent."""
+        scaled: dict[tuple[int, int], list[torch.Tensor]] = {}  # (id(state), k) -> its control's scaled samples
+        by_net: dict[str, list[tuple[DenoiseState, int, float]]] = {}
+        for state in states:
+            for k, control in enumerate(state.params.controls):
+                factor = control.scale * keep(control, state.step_index, state.num_steps)
+                if factor:  # outside its window a control adds exactly nothing: it is not run
+                    by_net.setdefault(control.name, []).append((state, k, factor))
+        for name, uses in by_net.items():
+            for (state, k, _), samples in zip(uses, self._run_controlnet(self.controlnets[name], uses)):
+                scaled[(id(state), k)] = samples
+        sums: dict[int, list[torch.Tensor]] = {}
+        for state in states:
+            for k in range(len(state.params.controls)):
+                samples = scaled.get((id(state), k))
+                if samples is None:
+                    continue
+                total = sums.get(id(state))
+                sums[id(state)] = samples if total is None else [a + b for a, b in zip(total, samples)]
+        return sums
+
+    def _run_controlnet(self, controlnet: QwenImageControlNetModel, uses: list[tuple[DenoiseState, int, float]]
+                        ) -> list[list[torch.Tensor]]:
+        """One controlnet over the (state, control index, scale) ``uses`` as one batch: per use, its scaled samples
+        ``[1, image_tokens, dim]``. The scale multiplies in float32 and rounds once to the runner's dtype, as
+        diffusers' ``sample * conditioning_scale`` with a Python float does."""
+        states = [state for state, _, _ in uses]
+        latents = torch.cat([s.latents for s in states])
+        cond = torch.cat([state.controls[k] for state, k, _ in uses])
+        embeds, mask = pad_text([s.prompt for s in states])
+        timestep = torch.stack([s.scheduler.timesteps[s.step_index] for s in states]).to(latents.dtype) / 1000
+        samples = controlnet(
+            hidden_states=latents, controlnet_cond=cond, conditioning_scale=1.0, encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask, timestep=timestep, img_shapes=[s.img_shapes for s in states],
+            return_dict=False,
+        )
+        factors = torch.tensor([factor for _, _, factor in uses], dtype=torch.float32, device=latents.device)
+        scaled = [(sample.float() * factors[:, None, None]).to(sample.dtype) for sample in samples]
+        return [[sample[i : i + 1] for sample in scaled] for i in range(len(uses))]
 
     def _forward(
         self,
@@ -219,6 +332,7 @@ class DenoiseRunner(SteppingRunner):
         steps: list[tuple[int, int]],  # rows x (step index, steps in all)
         loras: list[LoraRef | None],  # rows x the row's adapter
         sequence: Mesh | None = None,  # a gang whose sequence ranks split the rows' tokens
+        control: ControlRows | None = None,  # the rows' ControlNet residuals (``_control``)
     ) -> tuple[torch.Tensor, list[BranchCache | None]]:
         """The transformer's prediction per row (diffusers' forward, with each row's cache deciding which blocks
         it runs and its adapter adding to the layers it adapts), and each row's cache after the step."""
@@ -226,7 +340,7 @@ class DenoiseRunner(SteppingRunner):
         timestep = timesteps.to(latents.dtype) / 1000
         return cached_forward(
             self.transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, self.teacache_coefficients,
-            self.loras.rows(loras), sequence,
+            self.loras.rows(loras), sequence, control,
         )
 
     def finish(self, state: DenoiseState) -> Latents:
@@ -239,6 +353,32 @@ class DenoiseRunner(SteppingRunner):
         return Latents(
             to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
         )
+
+
+def keep(control: Control, step_index: int, num_steps: int) -> float:
+    """diffusers' ``controlnet_keep``: 1 while the step's share of the schedule lies within the control's window."""
+    return 1.0 - float(step_index / num_steps < control.start or (step_index + 1) / num_steps > control.end)
+
+
+def check_controlnets(transformer: QwenImageTransformer2DModel, controlnets: dict[str, QwenImageControlNetModel]
+                      ) -> None:
+    """The preset's controlnets must fit the transformer (their residuals are added to its image tokens) and have
+    one number of blocks (a request's controls are summed block by block, as diffusers' multi-controlnet sums);
+    ValueError naming ``controlnets`` otherwise."""
+    t = transformer.config
+    width = t.num_attention_heads * t.attention_head_dim
+    for name, net in controlnets.items():
+        c = net.config
+        if (c.num_attention_heads * c.attention_head_dim, c.in_channels, c.joint_attention_dim, c.patch_size) != \
+                (width, t.in_channels, t.joint_attention_dim, t.patch_size):
+            raise ValueError(f"controlnets: {name!r} does not fit the transformer (its width, input channels, text "
+                             "width or patch size differ)")
+        if c.extra_condition_channels:
+            raise ValueError(f"controlnets: {name!r} takes extra condition channels (an inpainting ControlNet), "
+                             "which is not supported")
+    if len({net.config.num_layers for net in controlnets.values()}) > 1:
+        raise ValueError("controlnets: they have different numbers of blocks; a request's controls are summed block "
+                         "by block, so they must have one")
 
 
 def check_heads(heads: int, parallel: ParallelSettings) -> None:

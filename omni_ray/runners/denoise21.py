@@ -67,10 +67,13 @@ class Denoise21Runner(SteppingRunner):
         return sum(state.cache_bytes for state in states if state is not None)
 
     def prepare(self, params: DenoiseParams, prompt: PromptEmbeds, negative: PromptEmbeds | None = None,
-                images: tuple[Latents, ...] = (), start: Latents | None = None) -> Denoise21State:
+                images: tuple[Latents, ...] = (), start: Latents | None = None,
+                controls: tuple[Latents, ...] = ()) -> Denoise21State:
         """Refuses a request this replica cannot run, then draws its state (``denoise21_state.prepare_state``)."""
         check_side("height", params.height)
         check_side("width", params.width)
+        if params.controls or controls:
+            raise ValueError("control: Qwen-Image 2.1 has no ControlNet")
         if params.inpaint is not None or start is not None:
             raise ValueError("inpaint: Qwen-Image 2.1 has no masked edit")
         if params.cache is not None:

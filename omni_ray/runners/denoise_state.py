@@ -3,7 +3,8 @@
 ``prepare_state`` follows diffusers' ``QwenImagePipeline.__call__`` for one request: the noise drawn on the CPU from
 the request's seed in the unpacked shape, the dynamic-shift flow-match schedule, and for a masked edit
 (``QwenImageInpaintPipeline``, ``QwenImageEditInpaintPipeline``) the start image's latents noised to the first step's
-level. ``DenoiseState.advance`` is the loop body after the transformer: the Euler update, a masked edit's blend,
+level; with ControlNets (``QwenImageControlNetPipeline``), the control images' latents, whose samples the pipeline's
+generator drew before the noise. ``DenoiseState.advance`` is the loop body after the transformer: the Euler update, a masked edit's blend,
 the step's preview.
 """
 
@@ -69,6 +70,7 @@ class DenoiseState:
     step_index: int = 0  # into the whole schedule: a masked edit starts at params.first_step
     inpaint: InpaintState | None = None  # a masked edit's start image, noise and mask
     home: int | None = None  # with CFG ranks and a cache: the rank that holds its caches (``parallel.split``)
+    controls: tuple[torch.Tensor, ...] = ()  # params.controls' control images' packed latents [1, image_seq_len, C]
 
     @property
     def num_steps(self) -> int:
@@ -124,6 +126,7 @@ def prepare_state(
     negative: PromptEmbeds | None,
     images: tuple[Latents, ...],
     start: Latents | None,
+    controls: tuple[Latents, ...] = (),
     *,
     scheduler_config: dict,
     channels: int,  # the transformer's latent channels before packing (in_channels // 4)
@@ -132,7 +135,7 @@ def prepare_state(
 ) -> DenoiseState:
     """A request's state before its first step: its noise and schedule; an edit's image latents come along, in
     order. A masked edit (``params.inpaint``) starts from ``start``, its start image's latents noised to its first
-    step's level."""
+    step's level. ``controls`` are ``params.controls``' control images' latents, in order (checked by the runner)."""
     # 1. The noise, packed, on the stage's device.
     latents = pack_latents(draw_noise(params, channels, dtype)).to(device)
     # 2. The request's own schedule, started at its first step.
@@ -161,15 +164,20 @@ def prepare_state(
         caches=[BranchCache(params.cache)] * (2 if do_true_cfg else 1) if params.cache is not None else None,
         step_index=params.first_step,
         inpaint=inpaint,
+        controls=tuple(control.latents.to(device, dtype).unsqueeze(0) for control in controls),
     )
 
 
 def draw_noise(params: DenoiseParams, channels: int, dtype: torch.dtype) -> torch.Tensor:
     """The request's noise ``[1, 1, channels, rows, cols]``, drawn on the CPU in diffusers' unpacked shape, so the
-    same seed gives the same image on any device."""
+    same seed gives the same image on any device. Draws the pipelines make from the same generator before the noise
+    are skipped: a masked edit's start image's sample, and each control image's (``QwenImageControlNetPipeline``
+    encodes them in order, ``retrieve_latents`` drawing ``mean + std * randn`` of the latents' shape
+    ``[1, channels, 1, rows, cols]`` from its generator, before ``prepare_latents``)."""
     rows, cols = latent_grid(params.height, params.width)
     generator = torch.Generator("cpu").manual_seed(params.seed)
-    if params.inpaint is not None:  # the VAE drew the start image's sample from this seed's generator first
+    earlier = len(params.controls) + (params.inpaint is not None)
+    for _ in range(earlier):  # the VAE drew these samples from this seed's generator first
         torch.randn((1, channels, 1, rows, cols), generator=generator, dtype=dtype)
     return torch.randn((1, 1, channels, rows, cols), generator=generator, dtype=dtype)
 

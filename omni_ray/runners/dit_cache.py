@@ -15,12 +15,19 @@ the others run them as a sub-batch.
 ``cached_forward`` is Qwen-Image's transformer forward, operation for operation as diffusers'
 ``QwenImageTransformer2DModel.forward`` runs it (so rows that run every block get its values bit for bit), with
 those decisions in between.
+
+ControlNet residuals (``ControlRows``, diffusers' ``controlnet_block_samples``) are added to the rows that carry
+them right after each block, as diffusers' forward adds them; rows without any get nothing added. They are part of
+the blocks' output as the caches see it: a first-block row compares its first block's output with its residual
+added, and what a cached row reuses (and keeps) is what the blocks added with their residuals. A row with control
+and a cache is so decided from its own tensors alone, as every other row.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from math import prod
 
@@ -52,6 +59,43 @@ class BranchCache:
 
 
 @dataclass(frozen=True, slots=True)
+class ControlRows:
+    """ControlNet residuals for some rows of a forward: ``samples[j]`` ``[len(rows), image_tokens, dim]`` is added to
+    those rows' image tokens after block ``i`` when ``i // interval == j`` (diffusers: ``interval`` is
+    ``ceil(num_layers / len(samples))``). Each row's samples are its controls' sum, already scaled."""
+
+    samples: tuple[torch.Tensor, ...]
+    rows: tuple[int, ...]  # the forward's rows they belong to, ascending
+    interval: int
+
+    @classmethod
+    def of(cls, samples: tuple[torch.Tensor, ...], rows: tuple[int, ...], num_layers: int) -> ControlRows:
+        return cls(tuple(samples), tuple(rows), math.ceil(num_layers / len(samples)))
+
+    def take(self, rows: list[int]) -> ControlRows | None:
+        """The residuals of those of ``rows`` that have them, numbered as in ``rows``; None when none has."""
+        picked = [(new, self.rows.index(old)) for new, old in enumerate(rows) if old in self.rows]
+        if not picked:
+            return None
+        new_rows, index = zip(*picked)
+        if list(index) == list(range(len(self.rows))):
+            return dataclasses.replace(self, rows=tuple(new_rows))
+        at = torch.tensor(index, device=self.samples[0].device)
+        return ControlRows(tuple(s[at] for s in self.samples), tuple(new_rows), self.interval)
+
+    def map(self, fn) -> ControlRows:
+        """The same rows, each sample replaced by ``fn(sample)`` (a sequence rank's chunk of its tokens)."""
+        return dataclasses.replace(self, samples=tuple(fn(s) for s in self.samples))
+
+    def add(self, hidden: torch.Tensor, block: int) -> torch.Tensor:
+        """``hidden`` ``[rows, image_tokens, dim]`` after block ``block``, with the rows' residuals added."""
+        sample = self.samples[block // self.interval]
+        if self.rows == tuple(range(hidden.shape[0])):
+            return hidden + sample
+        return hidden.index_add(0, torch.tensor(self.rows, device=hidden.device), sample)
+
+
+@dataclass(frozen=True, slots=True)
 class _Rows:
     """The blocks' inputs for some rows of the batch."""
 
@@ -63,6 +107,7 @@ class _Rows:
     lora: LoraRows | None  # each row's LoRA adapter, when a row has one
     image_mask: torch.Tensor | None = None  # [rows, image_tokens] bool, sequence-parallel with padded tokens
     attend: SequenceParallelAttention | None = None  # sequence-parallel: attention over the gang
+    control: ControlRows | None = None  # ControlNet residuals of the rows that have them
 
     def take(self, rows: list[int]) -> _Rows:
         if rows == list(range(self.hidden.shape[0])):
@@ -76,15 +121,20 @@ class _Rows:
             self.modulate_index[index] if self.modulate_index is not None else None,
             self.lora.take(rows) if self.lora is not None else None,
             self.image_mask[index] if self.image_mask is not None else None, self.attend,
+            self.control.take(rows) if self.control is not None else None,
         )
 
     def adapted(self) -> contextlib.AbstractContextManager:
         """The rows' LoRA adapters apply to the layers run inside."""
         return self.lora.applied() if self.lora is not None else contextlib.nullcontext()
 
-    def run(self, block, rope) -> _Rows:
+    def run(self, block, rope, index: int) -> _Rows:
+        """The rows through block ``index``, their ControlNet residuals added after it."""
         with self.adapted():
-            return self._run(block, rope)
+            rows = self._run(block, rope)
+        if self.control is None:
+            return rows
+        return dataclasses.replace(rows, hidden=self.control.add(rows.hidden, index))
 
     @property
     def attention_kwargs(self) -> dict | None:
@@ -117,23 +167,28 @@ def cached_forward(
     teacache_coefficients: tuple[float, ...],
     lora: LoraRows | None = None,  # each row's LoRA adapter; None when no row has one
     sequence: Mesh | None = None,  # a gang whose sequence ranks split each row's tokens (Ulysses, ring)
+    control: ControlRows | None = None,  # ControlNet residuals of the rows that have them (the whole tokens)
 ) -> tuple[torch.Tensor, list[BranchCache | None]]:
     """The transformer's prediction for every row, and each row's cache after this step. Split over a gang's
     ``sequence`` ranks, every one of them calls it with the same rows, runs the blocks on its chunk of their tokens
     (``parallel.split.TokenShard``), attends over the gang (``SequenceParallelAttention``) and returns the whole
-    prediction; each row's cache holds this rank's chunk."""
+    prediction; each row's cache holds this rank's chunk. ``control``'s residuals cover each row's image tokens
+    whole (an edit's image tokens excepted: ControlNets guide text-to-image only); each rank adds its chunk."""
     with lora.applied() if lora is not None else contextlib.nullcontext():
         return _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps,
-                               teacache_coefficients, lora, sequence)
+                               teacache_coefficients, lora, sequence, control)
 
 
 def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, teacache_coefficients,
-                    lora, sequence):
+                    lora, sequence, control):
     t = transformer
     caches = list(caches)  # each helper below replaces the entries of the rows it decides
 
     # 1. The blocks' inputs, as diffusers' forward computes them; with sequence ranks, this rank's chunk of them.
     x, rope = _block_inputs(t, latents, timestep, embeds, mask, img_shapes, lora)
+    if control is not None:
+        assert control.samples[0].shape[1:] == x.hidden.shape[1:], "control residuals cover the image tokens"
+        x = dataclasses.replace(x, control=control)
     shard = None
     if sequence is not None and sequence.sequence.size > 1:
         shard = TokenShard(sequence.sequence, x.hidden.shape[1], x.encoder.shape[1])
@@ -194,7 +249,9 @@ def _shard_inputs(shard: TokenShard, x: _Rows, rope: RealRope, attend: SequenceP
     modulate_index = shard.image(x.modulate_index) if x.modulate_index is not None else None
     rope = RealRope(shard.image(rope.image_cos, 0, 1), shard.image(rope.image_sin, 0), shard.text(rope.text_cos, 0, 1),
                     shard.text(rope.text_sin, 0))
-    rows = _Rows(shard.image(x.hidden), shard.text(x.encoder), mask, x.temb, modulate_index, x.lora, image_mask, attend)
+    control = x.control.map(shard.image) if x.control is not None else None
+    rows = _Rows(shard.image(x.hidden), shard.text(x.encoder), mask, x.temb, modulate_index, x.lora, image_mask, attend,
+                 control)
     return rows, rope
 
 
@@ -224,7 +281,7 @@ def _run_first_block(first, x: _Rows, rope, ran_first: list[int], caches: list[B
     if not ran_first:
         return None, {}, {}
     x0 = x.take(ran_first)
-    x1 = x0.run(first, rope)
+    x1 = x0.run(first, rope, 0)
     heads = dict(zip(ran_first, x1.hidden))
     skip_rest: dict[int, torch.Tensor] = {}
     fbc = [i for i, r in enumerate(ran_first) if caches[r] is not None and caches[r].settings.kind == "first_block"]
@@ -248,8 +305,8 @@ def _run_remaining_blocks(rest, x1: _Rows | None, rope, ran_first: list[int], sk
     if not ran_all:
         return [], None
     x2 = x1.take(ran_all)
-    for block in rest:
-        x2 = x2.run(block, rope)
+    for index, block in enumerate(rest, start=1):
+        x2 = x2.run(block, rope, index)
     return [ran_first[i] for i in ran_all], x2.hidden
 
 

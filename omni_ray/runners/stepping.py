@@ -63,7 +63,8 @@ class SteppingRunner:
         """Prepares each new request's state; a bad request fails alone."""
         for request in requests:
             try:
-                state = self.prepare(request.params, request.prompt, request.negative, request.images, request.start)
+                state = self.prepare(request.params, request.prompt, request.negative, request.images, request.start,
+                                     request.controls)
             except Exception as err:
                 errors[request.request_id] = request_failure(err)
                 continue
