@@ -51,8 +51,8 @@ class DiT(StageDeployment):
         return await self.loras.check(path)
 
     async def denoise(
-        self, request_id: str, params: DenoiseParams, prompt: Upstream, *images: Upstream, start: Upstream | None = None,
-        controls: tuple[Upstream, ...] = (),
+        self, request_id: str, params: DenoiseParams, prompt: Upstream, *images: Upstream,
+        start: Upstream | None = None, controls: tuple[Upstream, ...] = (),
     ) -> AsyncIterator[StepDone | Latents]:
         """Denoises one image: ``StepDone`` after every step, each followed by what it announces (a preview's
         latents, or the image's): ``deployments.stages.read_step_stream`` reads it. An edit brings its input

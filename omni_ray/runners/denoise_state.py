@@ -4,8 +4,8 @@
 the request's seed in the unpacked shape, the dynamic-shift flow-match schedule, and for a masked edit
 (``QwenImageInpaintPipeline``, ``QwenImageEditInpaintPipeline``) the start image's latents noised to the first step's
 level; with ControlNets (``QwenImageControlNetPipeline``), the control images' latents, whose samples the pipeline's
-generator drew before the noise. ``DenoiseState.advance`` is the loop body after the transformer: the Euler update, a masked edit's blend,
-the step's preview.
+generator drew before the noise. ``DenoiseState.advance`` is the loop body after the transformer: the Euler update,
+a masked edit's blend, the step's preview.
 """
 
 from __future__ import annotations
