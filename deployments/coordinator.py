@@ -124,7 +124,8 @@ class CrossEngineCoordinator:
         text without images and whose ``control_image`` files are the control images in order."""
         with self._counting_errors():
             tenant = self.authorize(request)
-            limit = bodies.MAX_BODY_BYTES + self.config.requests.max_controls * max_image_bytes(self.config)
+            controls = self.config.requests.max_controls if self.config.controlnets else 0  # room for their images
+            limit = bodies.MAX_BODY_BYTES + controls * max_image_bytes(self.config)
             if request.headers.get("content-type", "").startswith("multipart/"):
                 fields, files = await bodies.generation_form(request, limit)
                 body, controls = parse_request(fields, form=True), files
