@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from omni_ray.api.planning import check_sides
+from omni_ray import qwen_image21
 from omni_ray.api.schema import ImageGenerationRequest, OutputFormat
 from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.errors import PayloadTooLargeError, RequestError
-from omni_ray.qwen_image import EDIT_SIDE_MULTIPLE, VAE_COMPRESSION
+from omni_ray.qwen_image import EDIT_SIDE_MULTIPLE, VAE_COMPRESSION, check_side
 from omni_ray.records import InputImages
 
 INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # what /v1/images/edits takes, as OpenAI's does (MPO: camera JPEGs)
@@ -229,6 +229,22 @@ def load_control_images(request: ImageGenerationRequest, files: Sequence[bytes] 
             datas.append(decode_base64_file(control.image, max_bytes, f"control[{k}].image"))
     return tuple(np.asarray(open_input_image(data, max_bytes, param=f"control[{k}].image"))
                  for k, data in enumerate(datas))
+
+
+def check_sides(width: int, height: int, config: PipelineConfig, param: str, what: str = "") -> None:
+    """Raises RequestError (naming ``param``) unless both sides are multiples of the family's (Qwen-Image's 16,
+    Qwen-Image 2.1's 32) and within the preset's limits."""
+    limits = config.requests
+    check = qwen_image21.check_side if config.family == qwen_image21.FAMILY else check_side
+    for name, side in (("width", width), ("height", height)):
+        try:
+            check(name, side)
+        except ValueError as err:
+            raise RequestError(f"{param}: {what}{err}", param=param) from None
+        if not limits.min_side <= side <= limits.max_side:
+            raise RequestError(
+                f"{param}: {what}{name} {side} is outside {limits.min_side}..{limits.max_side}", param=param
+            )
 
 
 def _resized(image, config: PipelineConfig, area: int, what: str) -> np.ndarray:

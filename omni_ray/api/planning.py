@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_ray import qwen_image21
+from omni_ray.api.images import check_sides, load_control_images
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, EditConfig, LoraEntry, PipelineConfig, SamplingRecipe
 from omni_ray.errors import NotFoundError, RequestError
 from omni_ray.qwen_image import (
     INPAINT_STRENGTH,
     VISION_TOKENS,
-    check_side,
     dit_work_tokens,
     inpaint_start,
     template_for,
@@ -145,7 +145,6 @@ def plan_request(
                                  else None)
     inpaint = check_mask(request, inputs, height, width)
     if controls and control_images is None:
-        from omni_ray.api.images import load_control_images  # images imports this module
 
         control_images = load_control_images(request, None, max_image_bytes(config))
     control_images = check_control_images(controls, control_images or (), height, width)
@@ -416,19 +415,3 @@ def resolve_size(
     else the preset's default size."""
     limits = config.requests
     return requested_size(request, config) or default or (limits.default_height, limits.default_width)
-
-
-def check_sides(width: int, height: int, config: PipelineConfig, param: str, what: str = "") -> None:
-    """Raises RequestError (naming ``param``) unless both sides are multiples of the family's (Qwen-Image's 16,
-    Qwen-Image 2.1's 32) and within the preset's limits."""
-    limits = config.requests
-    check = qwen_image21.check_side if config.family == qwen_image21.FAMILY else check_side
-    for name, side in (("width", width), ("height", height)):
-        try:
-            check(name, side)
-        except ValueError as err:
-            raise RequestError(f"{param}: {what}{err}", param=param) from None
-        if not limits.min_side <= side <= limits.max_side:
-            raise RequestError(
-                f"{param}: {what}{name} {side} is outside {limits.min_side}..{limits.max_side}", param=param
-            )
