@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -42,7 +43,13 @@ from deployments.http.page import WEB_FILES, page_html
 from deployments.http.routes import build_api
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
 from deployments.stages import ServeStages
-from omni_ray.api.images import base64_limit, load_control_images, load_inputs, write_image_file
+from omni_ray.api.images import (
+    base64_limit,
+    load_control_images,
+    load_control_masks,
+    load_inputs,
+    write_image_file,
+)
 from omni_ray.api.planning import (
     GenerationPlan,
     asks_for_control,
@@ -68,6 +75,9 @@ from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError
 from omni_ray.records import Decoded
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
 from omni_ray.tokenizer import tokenizer_for
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger("ray.serve")
 MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each may take seconds and 100s of MB
@@ -120,18 +130,21 @@ class CrossEngineCoordinator:
     # --- routes (attached by http.routes.build_api) --------------------------------------------------------------
 
     async def generations(self, request: Request) -> Response:
-        """A JSON body (control images base64 in ``control``), or a multipart form whose ``control`` field is JSON
-        text without images and whose ``control_image`` files are the control images in order."""
+        """A JSON body (control images, and an inpainting ControlNet's masks, base64 in ``control``), or a multipart
+        form whose ``control`` field is JSON text without images and whose ``control_image`` files are the control
+        images in order (``control_mask`` files the masks)."""
         with self._counting_errors():
             tenant = self.authorize(request)
             controls = self.config.requests.max_controls if self.config.controlnets else 0  # room for their images
-            limit = bodies.MAX_BODY_BYTES + controls * max_image_bytes(self.config)
+            masks = controls if self.config.inpaint_controlnets else 0  # room for their masks
+            limit = bodies.MAX_BODY_BYTES + (controls + masks) * max_image_bytes(self.config)
             if request.headers.get("content-type", "").startswith("multipart/"):
-                fields, files = await bodies.generation_form(request, limit)
-                body, controls = parse_request(fields, form=True), files
+                fields, files, mask_files = await bodies.generation_form(request, limit)
+                body, controls, masks = parse_request(fields, form=True), files, mask_files
             else:  # base64 grows a file by a third
-                body, controls = await bodies.json_body(request, base64_limit(limit)), None
-        return await self.respond(await self.plan(body, tenant=tenant, control_images=controls), request)
+                body, controls, masks = await bodies.json_body(request, base64_limit(limit)), None, None
+        plan = await self.plan(body, tenant=tenant, control_images=controls, control_masks=masks)
+        return await self.respond(plan, request)
 
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
@@ -229,16 +242,18 @@ class CrossEngineCoordinator:
 
     async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
                    tenant: str | None = None, mask: bytes | None = None,
-                   control_images: Sequence[bytes] | None = None) -> GenerationPlan:
+                   control_images: Sequence[bytes] | None = None, control_masks: Sequence[bytes] | None = None
+                   ) -> GenerationPlan:
         """Validates before any stage sees the request, and admits it when the DiT's queue can finish it before its
         deadline; an edit's images (one file, or a list) and mask, and a generation's control images (the body's
-        base64 ones, or a multipart body's ``control_image`` files: ``control_images``), are decoded and resized off
+        base64 ones, or a multipart body's ``control_image`` files: ``control_images``, and ``control_mask`` files:
+        ``control_masks``), are decoded and resized off
         the event loop, a few requests at a time, after the checks that need no pixels. ``tenant`` (the caller's API
         key's name) replaces the body's ``user`` as whom the DiT shares its steps between."""
         with self._counting_errors():
             files = [bytes(image)] if isinstance(image, (bytes, bytearray, memoryview)) else \
                 [bytes(item) for item in image] if image is not None else None
-            inputs = size = controls = None
+            inputs = size = controls = masks = None
             if mask is not None:  # a masked edit is prepared at the size the request names
                 body = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
                 size = requested_size(body, self.config)
@@ -248,18 +263,26 @@ class CrossEngineCoordinator:
                 body = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
                 check_controls(body, self.config)  # names and count, before any image is decoded
                 async with self.image_slots:
-                    controls = await asyncio.to_thread(load_control_images, body, control_images,
-                                                       max_image_bytes(self.config))
+                    controls, masks = await asyncio.to_thread(self._load_controls, body, control_images,
+                                                              control_masks)
             if files is not None or mask is not None:
                 async with self.image_slots:
                     inputs = await asyncio.to_thread(load_inputs, files, mask, self.config, size)
             plan = plan_request(body, self.config, self.tokenizer.num_tokens, inputs,
                                 await self.adapters.for_request(body), has_image=files is not None,
-                                control_images=controls)
+                                control_images=controls, control_masks=masks)
             if tenant is not None:
                 plan = dataclasses.replace(plan, tenant=tenant)
             await self._admit(plan)
             return plan
+
+    def _load_controls(self, body: ImageGenerationRequest, images: Sequence[bytes] | None,
+                       masks: Sequence[bytes] | None) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray | None, ...]]:
+        """A generation's control images and masks, decoded (on a worker thread)."""
+        max_bytes = max_image_bytes(self.config)
+        decoded = load_control_images(body, images, max_bytes)
+        files = masks if images is not None else None  # a multipart body: its mask files, maybe none
+        return decoded, load_control_masks(body, files, decoded, self.config.inpaint_controlnets, max_bytes)
 
     async def _admit(self, plan: GenerationPlan) -> None:
         """Refuses at once (503, Retry-After) a request that the DiT's queue would finish past its deadline, from

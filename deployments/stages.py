@@ -110,9 +110,9 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
     def encode_prompt(self, request: EncodeRequest, images: tuple[ray.ObjectRef, ...]) -> DeploymentResponse:
         return self.encoder.encode.remote(request, *images)
 
-    def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None, draw: int = 0
-                     ) -> DeploymentResponse:
-        return self.vae.encode.remote(request_id, image, seed, draw)
+    def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None, draw: int = 0,
+                     mask: ray.ObjectRef | None = None) -> DeploymentResponse:
+        return self.vae.encode.remote(request_id, image, seed, draw, mask)
 
     async def denoise(
         self,

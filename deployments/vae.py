@@ -27,9 +27,10 @@ class VAE(StageDeployment):
         with self._lost_with_gang(StageCall.DECODE):
             return await self._run(DecodeRequest(request_id, resolved, output, preview), "decoded", resolved.timings)
 
-    async def encode(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0) -> Latents:
+    async def encode(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0,
+                     mask: np.ndarray | None = None) -> Latents:
         """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with (a
         masked edit's start image, or a control image: a sample drawn with ``seed``, the ``draw``-th of its
-        generator)."""
+        generator; with ``mask``, an inpainting ControlNet's, masked and carrying the mask)."""
         with self._lost_with_gang(StageCall.ENCODE_IMAGE):
-            return await self._run(ImageEncodeRequest(request_id, image, seed, draw), "encoded image")
+            return await self._run(ImageEncodeRequest(request_id, image, seed, draw, mask), "encoded image")

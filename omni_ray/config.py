@@ -600,6 +600,13 @@ class PipelineConfig(_Frozen):
         "InstantX's Qwen-Image ControlNet Union, say), on every node that runs the DiT; a request applies up to "
         "requests.max_controls of them by name (`control`), each with its control image.",
     )
+    inpaint_controlnets: list[str] = Field(
+        default_factory=list,
+        description="Which of `controlnets` are inpainting ControlNets (InstantX's Qwen-Image-ControlNet-Inpainting: "
+        "extra_condition_channels in its config), whose controls take a `mask` beside the image. Read from each "
+        "folder's config.json when the preset is read; list a ControlNet here only when its folder is not on the "
+        "host that reads the preset.",
+    )
     requests: RequestLimits = Field(default_factory=RequestLimits, description="Request defaults and limits.")
     coordinator: DeploymentConfig = Field(
         default_factory=lambda: DeploymentConfig(max_ongoing_requests=256),
@@ -642,6 +649,8 @@ class PipelineConfig(_Frozen):
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
         check_placement(self)
+        if unknown := sorted(set(self.inpaint_controlnets) - set(self.controlnets)):
+            raise ValueError(f"inpaint_controlnets: {unknown[0]!r} is not one of `controlnets`")
         if self.name in self.loras:
             raise ValueError(f"loras: {self.name!r} is the base model's name; give the adapter another")
         for stage_name in ("encoder", "vae"):
@@ -758,7 +767,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
                 loras[name] = entry.model_copy(update={"recipe": read_recipe(beside)})
             except ValueError as err:
                 raise ConfigError(f"{source}: loras.{name}.recipe: {err}") from None
-    config = config.model_copy(update={"loras": loras})
+    config = config.model_copy(update={"loras": loras, "inpaint_controlnets": inpaint_controlnets(config)})
     if not config.is_local:
         return config
     model_dir = pathlib.Path(config.model).expanduser()
@@ -767,6 +776,22 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
         return config
     check_checkpoint(config, source)
     return with_sample_sigmas(config)
+
+
+def inpaint_controlnets(config: PipelineConfig) -> list[str]:
+    """The preset's ``inpaint_controlnets``, and each of its ``controlnets`` whose folder's ``config.json`` gives it
+    extra condition channels (an inpainting ControlNet: the control mask rides beside the control image's
+    latents), in ``controlnets``' order."""
+    found = []
+    for name, path in config.controlnets.items():
+        settings = pathlib.Path(path).expanduser() / "config.json"
+        try:
+            extra = json.loads(settings.read_text()).get("extra_condition_channels") if settings.is_file() else 0
+        except (OSError, ValueError):
+            extra = 0  # the DiT reads it again when it loads the ControlNet, and says what is wrong
+        if extra or name in config.inpaint_controlnets:
+            found.append(name)
+    return found
 
 
 def with_sample_sigmas(config: PipelineConfig) -> PipelineConfig:

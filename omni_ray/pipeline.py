@@ -65,9 +65,9 @@ class LocalStages(Stages[object]):
         request.images = images
         return asyncio.ensure_future(self.encoder.generate(request))
 
-    def encode_image(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0
-                     ) -> asyncio.Future:
-        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image, seed, draw)))
+    def encode_image(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0,
+                     mask: np.ndarray | None = None) -> asyncio.Future:
+        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image, seed, draw, mask)))
 
     async def denoise(
         self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: tuple[asyncio.Future, ...],

@@ -82,12 +82,15 @@ class Control:
     """One ControlNet a request applies (diffusers' ``QwenImageControlNetPipeline``): the preset's controlnet
     ``name``, its residuals' ``scale`` (``controlnet_conditioning_scale``), and the share of the steps it acts on
     (``control_guidance_start`` to ``control_guidance_end``). Its control image's latents travel beside it in
-    ``DenoiseRequest.controls``."""
+    ``DenoiseRequest.controls``. ``mask``: an inpainting ControlNet (``QwenImageControlNetInpaintPipeline``), whose
+    control latents carry the control mask as a 17th channel (68 packed) and whose sample is drawn apart from the
+    noise's generator (``ImageEncodeRequest.mask``)."""
 
     name: str
     scale: float = 1.0
     start: float = 0.0
     end: float = 1.0
+    mask: bool = False
 
 
 # --- encoder -------------------------------------------------------------------------------------------------------
@@ -308,13 +311,20 @@ class DecodeRequest:
 @dataclass(slots=True)
 class ImageEncodeRequest:
     """One of an edit's input images, to become latents the DiT denoises beside (the latent distribution's mode), or
-    a masked edit's start image (a sample of it, drawn with ``seed`` as diffusers' inpaint pipelines draw it)."""
+    a masked edit's start image (a sample of it, drawn with ``seed`` as diffusers' inpaint pipelines draw it), or a
+    control image (a sample, the ``draw``-th; with ``mask``, an inpainting ControlNet's masked control image)."""
 
     timing: ClassVar[str] = "vae_encode"
     request_id: str
     image: np.ndarray  # uint8 [H, W, 3], at its working size (sides multiples of 32)
     seed: int | None = None
     draw: int = 0  # with seed: the sample is the generator's draw-th of this shape (a request's k-th control image)
+    mask: np.ndarray | None = None  # an inpainting ControlNet's control mask, uint8 [H, W], 1 repaints: the image is
+    # blacked out there before encoding, and the mask on the latent grid (kept: 1) rides as a 17th channel
+
+    def __post_init__(self) -> None:
+        if self.mask is not None and (self.seed is None or self.mask.shape != self.image.shape[:2]):
+            raise ValueError(f"request {self.request_id}: a control mask needs a seed and its image's size")
 
     @property
     def batch_key(self) -> tuple[str, int, int]:

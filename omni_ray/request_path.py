@@ -61,10 +61,12 @@ class Stages(ABC, Generic[Handle]):
         """Starts encoding the prompt (and the negative prompt, when given), with the edit's images."""
 
     @abstractmethod
-    def encode_image(self, request_id: str, image: Handle, seed: int | None = None, draw: int = 0) -> Handle:
+    def encode_image(self, request_id: str, image: Handle, seed: int | None = None, draw: int = 0,
+                     mask: Handle | None = None) -> Handle:
         """Starts encoding one of an edit's input images to latents the DiT edits beside (the distribution's mode),
         or with ``seed`` a masked edit's start image or a control image (a sample drawn with it: the seed's
-        generator's ``draw``-th of that shape, ``ImageEncodeRequest.draw``)."""
+        generator's ``draw``-th of that shape, ``ImageEncodeRequest.draw``); with ``mask`` (stored by
+        ``put_image``), an inpainting ControlNet's control image and mask (``ImageEncodeRequest.mask``)."""
 
     @abstractmethod
     def denoise(
@@ -195,6 +197,8 @@ class _SharedInputs:
         self.images = tuple(map(put, inputs.vae)) if inputs is not None else ()
         self.prompt_images = tuple(map(put, inputs.encoder)) if inputs is not None else ()
         self.control_images = tuple(map(put, plan.control_images))
+        masks = plan.control_masks or (None,) * len(plan.control_images)
+        self.control_masks = tuple(put(mask) if mask is not None else None for mask in masks)
         self.prompt = self._encode_prompt()
         self.masked = plan.inpaint is not None  # each image starts from its own sample of the first input image
         self.image_encodes = 0  # times the image latents were asked for: a retry's calls get ids of their own
@@ -216,10 +220,18 @@ class _SharedInputs:
         return self.stages.encode_image(f"{image_id}-start", self.images[0], seed)
 
     def encode_controls(self, image_id: str, seed: int) -> tuple[Handle, ...]:
-        """An image's control images' latents: the k-th sampled with the image's seed after k other draws, as
-        diffusers' ControlNet pipeline samples its control images in turn from the image's generator."""
-        return tuple(self.stages.encode_image(f"{image_id}-control{k}", image, seed, draw=k)
-                     for k, image in enumerate(self.control_images))
+        """An image's control images' latents, each sampled with the image's seed: a plain control's after as many
+        draws as plain controls precede it, as diffusers' ControlNet pipeline samples its control images in turn
+        from the image's generator; an inpainting ControlNet's (with its mask) after as many inpainting ones, as
+        ``QwenImageControlNetInpaintPipeline`` samples it from torch's global generator (seeded with the seed),
+        not the image's."""
+        handles, drawn = [], {False: 0, True: 0}
+        for k, (image, mask) in enumerate(zip(self.control_images, self.control_masks)):
+            masked = mask is not None
+            handles.append(self.stages.encode_image(f"{image_id}-control{k}", image, seed, draw=drawn[masked],
+                                                    **({"mask": mask} if masked else {})))
+            drawn[masked] += 1
+        return tuple(handles)
 
     def conditions(self, start: Handle | None) -> tuple[Handle, ...]:
         """The image latents an image's DiT call attends over: the shared ones, or a masked edit's start latents

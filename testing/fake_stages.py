@@ -58,8 +58,9 @@ class FakeStages(Stages[Call]):
             self.lost.add(id(call))
         return call
 
-    def encode_image(self, request_id, image, seed=None, draw=0):
-        call = self._call("encode_image", request_id, image, *([seed, draw] if seed is not None else []))
+    def encode_image(self, request_id, image, seed=None, draw=0, mask=None):
+        call = self._call("encode_image", request_id, image, *([seed, draw] if seed is not None else []),
+                          *([mask] if mask is not None else []))
         if self._loses("encode_image"):
             self.lost.add(id(call))
         return call

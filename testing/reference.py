@@ -195,6 +195,23 @@ def reference_controlnet(pipe, control_images, seed: int, **kwargs) -> np.ndarra
     return (pixels.images[0] * 255).round().astype(np.uint8)
 
 
+def reference_controlnet_inpaint(pipe, control_image, repaint: np.ndarray, seed: int, **kwargs) -> np.ndarray:
+    """uint8 ``[H, W, 3]``: diffusers' ``QwenImageControlNetInpaintPipeline`` ``pipe`` with ``control_image`` (PIL or
+    uint8 ``[H, W, 3]``, at the output's size) and ``repaint`` (boolean ``[H, W]``: the pipeline's ``control_mask``,
+    white where set), the seed's CPU generator, and ``kwargs`` (prompt, ``controlnet_conditioning_scale``, ...).
+
+    The pipeline samples the masked control image's latents from torch's global generator and the noise from its
+    own: torch's global generator is seeded with ``seed`` first, as omni-ray draws that sample from a fresh
+    generator seeded with the image's seed."""
+    image = Image.fromarray(control_image) if isinstance(control_image, np.ndarray) else control_image
+    kwargs.setdefault("width", image.width)
+    kwargs.setdefault("height", image.height)
+    torch.manual_seed(seed)
+    pixels = pipe(control_image=image, control_mask=Image.fromarray(repaint.astype(np.uint8) * 255, mode="L"),
+                  generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs)
+    return (pixels.images[0] * 255).round().astype(np.uint8)
+
+
 def openai_mask(repaint: np.ndarray) -> bytes:
     """OpenAI's mask for a boolean ``[H, W]`` array: an RGBA PNG, fully transparent where ``repaint`` is set."""
     pixels = np.zeros((*repaint.shape, 4), np.uint8)

@@ -106,22 +106,26 @@ async def edit_form(request: Request, limit: int) -> tuple[dict[str, str], list[
 
 
 CONTROL_IMAGE_FIELDS = ("control_image", "control_image[]")  # a generation's control images, in `control`'s order
+CONTROL_MASK_FIELDS = ("control_mask", "control_mask[]")  # its inpainting ControlNets' masks, in order
 
 
-async def generation_form(request: Request, limit: int) -> tuple[dict[str, str], list[bytes]]:
+async def generation_form(request: Request, limit: int) -> tuple[dict[str, str], list[bytes], list[bytes]]:
     """A generation's multipart form (a request with ControlNets sending its control images as files): its text
-    fields (``control`` among them, as JSON text without images) and the bytes of its ``control_image`` files
-    (or ``control_image[]``), in order."""
+    fields (``control`` among them, as JSON text without images), the bytes of its ``control_image`` files (or
+    ``control_image[]``) in order, and of its ``control_mask`` files (or ``control_mask[]``: an inpainting
+    ControlNet's masks, one per control naming one), in order."""
     form = await _read_form(request, limit, "control_image", "a `prompt` (and `control` with its `control_image` "
                             "files)")
-    fields, images = {}, []
+    fields, images, masks = {}, [], []
+    files = {**dict.fromkeys(CONTROL_IMAGE_FIELDS, ("control_image", images)),
+             **dict.fromkeys(CONTROL_MASK_FIELDS, ("control_mask", masks))}
     try:
         for name, value in form.multi_items():
-            if name in CONTROL_IMAGE_FIELDS and isinstance(value, UploadFile):
-                images.append(await value.read())
-            elif name in CONTROL_IMAGE_FIELDS or isinstance(value, UploadFile):
-                param = "control_image" if name in CONTROL_IMAGE_FIELDS else name
-                expected = "a file" if param == "control_image" else "a text field (files: `control_image`)"
+            if name in files and isinstance(value, UploadFile):
+                files[name][1].append(await value.read())
+            elif name in files or isinstance(value, UploadFile):
+                param = files[name][0] if name in files else name
+                expected = "a file" if name in files else "a text field (files: `control_image`, `control_mask`)"
                 raise RequestError(f"{param}: expected {expected}", param=param)
             elif name in fields:
                 raise RequestError(f"{name}: given more than once", param=name)
@@ -129,7 +133,7 @@ async def generation_form(request: Request, limit: int) -> tuple[dict[str, str],
                 fields[name] = value
     finally:
         await form.close()
-    return fields, images
+    return fields, images, masks
 
 
 async def json_body(request: Request, limit: int = MAX_BODY_BYTES) -> object:

@@ -10,7 +10,7 @@ import io
 import math
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -92,41 +92,42 @@ def load_masked_input(image: bytes, mask: bytes, config: PipelineConfig, size: t
                        conditions=False)
 
 
-def open_mask(data: bytes, size: tuple[int, int], max_bytes: int):
+def open_mask(data: bytes, size: tuple[int, int], max_bytes: int, param: str = "mask"):
     """OpenAI's mask as diffusers' mask image: an 'L' PIL image, 255 where the mask is fully transparent (what to
-    change), 0 elsewhere. ``size`` is the image's (width, height)."""
+    change), 0 elsewhere. ``size`` is the image's (width, height); every refusal names ``param`` (``mask``, or a
+    control's ``control[k].mask``)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
-        raise RequestError("mask: an empty file", param="mask")
+        raise RequestError(f"{param}: an empty file", param=param)
     if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"mask: the file is {len(data)} bytes; the limit is {max_bytes}", param="mask")
+        raise PayloadTooLargeError(f"{param}: the file is {len(data)} bytes; the limit is {max_bytes}", param=param)
     try:
         mask = Image.open(io.BytesIO(data))  # reads the header only: the checks below come before any decoding
     except (UnidentifiedImageError, Image.DecompressionBombError):
-        raise RequestError("mask: not a readable PNG file", param="mask") from None
+        raise RequestError(f"{param}: not a readable PNG file", param=param) from None
     except Exception as err:
-        raise RequestError(f"mask: the file is corrupt or truncated ({err})", param="mask") from None
+        raise RequestError(f"{param}: the file is corrupt or truncated ({err})", param=param) from None
     if mask.format != "PNG":
-        raise RequestError(f"mask: {mask.format} files are not supported; send a PNG with an alpha channel",
-                           param="mask")
-    wrong_size = RequestError(f"mask: {mask.width}x{mask.height}, but the image is {size[0]}x{size[1]}; they must "
-                              "be the same size", param="mask")
+        raise RequestError(f"{param}: {mask.format} files are not supported; send a PNG with an alpha channel",
+                           param=param)
+    wrong_size = RequestError(f"{param}: {mask.width}x{mask.height}, but the image is {size[0]}x{size[1]}; they must "
+                              "be the same size", param=param)
     if mask.size not in (size, size[::-1]):  # before decoding: a small file can declare a huge mask
         raise wrong_size
     try:
         mask = ImageOps.exif_transpose(mask)  # decodes it, turned as the image is
     except Exception as err:
-        raise RequestError(f"mask: the file is corrupt or truncated ({err})", param="mask") from None
+        raise RequestError(f"{param}: the file is corrupt or truncated ({err})", param=param) from None
     if mask.size != size:
         raise wrong_size
     if "A" not in mask.getbands() and "transparency" not in mask.info:
-        raise RequestError("mask: no alpha channel; its fully transparent pixels mark what to change",
-                           param="mask")
+        raise RequestError(f"{param}: no alpha channel; its fully transparent pixels mark what to change",
+                           param=param)
     alpha = np.asarray(mask.convert("RGBA").getchannel("A"))
     if alpha.min() > 0:
-        raise RequestError("mask: fully opaque, so nothing would change; make what to change fully transparent",
-                           param="mask")
+        raise RequestError(f"{param}: fully opaque, so nothing would change; make what to change fully transparent",
+                           param=param)
     return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), mode="L")
 
 
@@ -245,6 +246,48 @@ def check_sides(width: int, height: int, config: PipelineConfig, param: str, wha
             raise RequestError(
                 f"{param}: {what}{name} {side} is outside {limits.min_side}..{limits.max_side}", param=param
             )
+
+
+def load_control_masks(request: ImageGenerationRequest, files: Sequence[bytes] | None,
+                       images: Sequence[np.ndarray], inpainting: Collection[str], max_bytes: int
+                       ) -> tuple[np.ndarray | None, ...]:
+    """Each control's mask, for the controls that name an inpainting ControlNet (``inpainting``; None for the
+    others): OpenAI's ``mask`` convention (a PNG whose fully transparent pixels mark what to repaint, ``open_mask``)
+    as diffusers' ``control_mask`` after its mask processor (white repaints, binarised at one half), uint8 ``[H, W]``
+    with 1 where to repaint. In a JSON body each such control's ``mask`` (base64 or a data URL); in a multipart body
+    the ``control_mask`` ``files``, one per such control in order. Each refusal names ``control[k].mask`` (or
+    ``control_mask`` for files that do not match the controls): a missing mask, a mask the control's ControlNet
+    does not take, one that ``open_mask`` refuses, or one not of its control image's size (``images[k]``)."""
+    controls = request.control or []
+    masked = [k for k, control in enumerate(controls) if control.name in inpainting]
+    for k, control in enumerate(controls):
+        if control.mask is not None and k not in masked:
+            raise RequestError(f"control[{k}].mask: ControlNet {control.name!r} is not an inpainting ControlNet and "
+                               "takes no mask", param=f"control[{k}].mask")
+    datas: dict[int, bytes] = {}
+    if files is not None:
+        for k in masked:
+            if controls[k].mask is not None:
+                raise RequestError(f"control[{k}].mask: in a multipart body the control masks are `control_mask` "
+                                   "files, in the controls' order, not base64 text", param=f"control[{k}].mask")
+        if len(files) != len(masked):
+            raise RequestError(f"control_mask: {len(files)} file(s) for {len(masked)} control(s) of an inpainting "
+                               "ControlNet; send one `control_mask` file per such control, in order",
+                               param="control_mask")
+        datas = dict(zip(masked, files))
+    else:
+        for k in masked:
+            if controls[k].mask is None:
+                raise RequestError(f"control[{k}].mask: required: ControlNet {controls[k].name!r} inpaints; send a "
+                                   "base64 PNG whose fully transparent pixels mark what to repaint",
+                                   param=f"control[{k}].mask")
+            datas[k] = decode_base64_file(controls[k].mask, max_bytes, f"control[{k}].mask")
+    masks: list[np.ndarray | None] = [None] * len(controls)
+    for k, data in datas.items():
+        height, width = images[k].shape[:2]
+        repaint = open_mask(data, (width, height), max_bytes, param=f"control[{k}].mask")
+        masks[k] = (np.asarray(repaint) >= 128).astype(np.uint8)
+    return tuple(masks)
 
 
 def _resized(image, config: PipelineConfig, area: int, what: str) -> np.ndarray:

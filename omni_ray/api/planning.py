@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_ray import qwen_image21
-from omni_ray.api.images import check_sides, load_control_images
+from omni_ray.api.images import check_sides, load_control_images, load_control_masks
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, EditConfig, LoraEntry, PipelineConfig, SamplingRecipe
 from omni_ray.errors import NotFoundError, RequestError
@@ -60,6 +60,8 @@ class GenerationPlan:
     controls: tuple[Control, ...] = ()  # the ControlNets the request applies (`control`), in its order
     control_images: tuple[np.ndarray, ...] = ()  # their control images, uint8 [height, width, 3] each (the output's
     # size), in the same order: the VAE samples each with an image's seed, the k-th after k others
+    control_masks: tuple[np.ndarray | None, ...] = ()  # per control, an inpainting ControlNet's mask (uint8
+    # [height, width], 1 repaints), None for the others
 
     def __post_init__(self) -> None:
         if self.true_cfg_scale is None:
@@ -111,6 +113,7 @@ def plan_request(
     adapters: Mapping[str, LoraEntry] | None = None,
     has_image: bool | None = None,
     control_images: Sequence[np.ndarray] | None = None,
+    control_masks: Sequence[np.ndarray | None] | None = None,
 ) -> GenerationPlan:
     """Validates ``body`` against the API and the preset; raises RequestError naming the field.
 
@@ -121,7 +124,8 @@ def plan_request(
     scheduler settings for the fields it does not set. ``has_image`` says the request brought an image that was not
     decoded (the preset takes none). ``control_images`` are the request's control images, decoded
     (``api.images.load_control_images``: the coordinator decodes them on a thread, from a multipart body's files or
-    the JSON body); without them, a JSON body's are decoded here.
+    the JSON body); without them, a JSON body's are decoded here. ``control_masks`` are their masks, decoded
+    likewise (``api.images.load_control_masks``: None for a control whose ControlNet does not inpaint).
     """
     # 1. The route, then the body: what OpenAI's schema and this server take.
     inputs = InputImages.of(image) if image is not None else None
@@ -145,11 +149,13 @@ def plan_request(
                                  else None)
     inpaint = check_mask(request, inputs, height, width)
     if controls and control_images is None:
-
         control_images = load_control_images(request, None, max_image_bytes(config))
+        control_masks = load_control_masks(request, None, control_images, config.inpaint_controlnets,
+                                           max_image_bytes(config))
     control_images = check_control_images(controls, control_images or (), height, width)
+    control_masks = check_control_masks(controls, control_masks, height, width)
     if controls:  # the decoded images are the plan's: it keeps no base64 text
-        request = request.model_copy(update={"control": [c.model_copy(update={"image": None})
+        request = request.model_copy(update={"control": [c.model_copy(update={"image": None, "mask": None})
                                                          for c in request.control]})
     steps = resolve_steps(request, config, recipe, inpaint)
     sigmas = checkpoint_sigmas(request, config, recipe)
@@ -181,6 +187,7 @@ def plan_request(
         rgba=config.family == qwen_image21.FAMILY,
         controls=controls,
         control_images=control_images,
+        control_masks=control_masks,
     )
 
 
@@ -205,10 +212,11 @@ def check_control_route(config: PipelineConfig, has_image: bool) -> None:
 
 
 def check_controls(request: ImageGenerationRequest, config: PipelineConfig) -> tuple[Control, ...]:
-    """The request's ControlNets as the DiT takes them (``Control``); RequestError naming ``control`` where none
-    run (``check_control_route``), when the preset holds none or the request sends more than
-    ``requests.max_controls``, and ``control[k].name`` for a name the preset does not hold (the known listed). The
-    schema has checked each one's scale (0 to 10) and its start below its end (both 0 to 1)."""
+    """The request's ControlNets as the DiT takes them (``Control``, ``mask`` set for the preset's
+    ``inpaint_controlnets``); RequestError naming ``control`` where none run (``check_control_route``), when the
+    preset holds none or the request sends more than ``requests.max_controls``, ``control[k].name`` for a name the
+    preset does not hold (the known listed), and ``control[k].mask`` for a mask given to a ControlNet that does not
+    inpaint. The schema has checked each one's scale (0 to 10) and its start below its end (both 0 to 1)."""
     if not request.control:
         return ()
     check_control_route(config, has_image=False)
@@ -224,7 +232,11 @@ def check_controls(request: ImageGenerationRequest, config: PipelineConfig) -> t
             known = ", ".join(sorted(config.controlnets))
             raise RequestError(f"control[{k}].name: no ControlNet {control.name!r} here; the ControlNets are {known}",
                                param=f"control[{k}].name")
-    return tuple(Control(control.name, control.scale, control.start, control.end) for control in request.control)
+        if control.mask is not None and control.name not in config.inpaint_controlnets:
+            raise RequestError(f"control[{k}].mask: ControlNet {control.name!r} is not an inpainting ControlNet and "
+                               "takes no mask", param=f"control[{k}].mask")
+    return tuple(Control(control.name, control.scale, control.start, control.end,
+                         mask=control.name in config.inpaint_controlnets) for control in request.control)
 
 
 def check_control_images(controls: tuple[Control, ...], images: Sequence[np.ndarray], height: int, width: int
@@ -242,6 +254,22 @@ def check_control_images(controls: tuple[Control, ...], images: Sequence[np.ndar
                 "the control image at the output's size (or set `size` to the image's): it is not resized",
                 param=f"control[{k}].image")
     return tuple(images)
+
+
+def check_control_masks(controls: tuple[Control, ...], masks: Sequence[np.ndarray | None] | None, height: int,
+                        width: int) -> tuple[np.ndarray | None, ...]:
+    """One mask per control, an inpainting ControlNet's of the output's size and the others' None (RequestError
+    naming ``control[k].mask`` otherwise: ``load_control_masks`` has refused what a client can send wrong)."""
+    masks = tuple(masks) if masks is not None else (None,) * len(controls)
+    if len(masks) != len(controls):
+        raise RequestError(f"control_mask: {len(masks)} control mask(s) for {len(controls)} control(s)",
+                           param="control_mask")
+    for k, (control, mask) in enumerate(zip(controls, masks)):
+        if control.mask != (mask is not None) or (mask is not None and mask.shape != (height, width)):
+            what = "a mask of the output's size" if control.mask else "no mask"
+            raise RequestError(f"control[{k}].mask: ControlNet {control.name!r} takes {what}",
+                               param=f"control[{k}].mask")
+    return masks
 
 
 def max_image_bytes(config: PipelineConfig) -> int:

@@ -31,6 +31,11 @@ class ControlSpec(BaseModel):
         None, description="The control image: a base64 PNG, JPEG or WebP file, or a data URL of one, at the output's "
         "size (width x height). In a multipart body, absent: the images are `control_image` files, in order."
     )
+    mask: str | None = Field(
+        None, description="An inpainting ControlNet's mask (and only its): a base64 PNG of the control image's size "
+        "whose fully transparent pixels mark what to repaint, as OpenAI's `mask`. In a multipart body, absent: the "
+        "masks are `control_mask` files, one per inpainting control, in order."
+    )
     scale: Number = Field(1.0, ge=0.0, le=10.0, description="diffusers' controlnet_conditioning_scale.")
     start: Number = Field(0.0, ge=0.0, le=1.0, description="diffusers' control_guidance_start: the share of the steps "
                           "before the ControlNet acts.")
@@ -112,8 +117,9 @@ class ImageGenerationRequest(BaseModel):
 
     control: list[ControlSpec] | None = Field(
         None, description="omni-ray's: ControlNets to apply (generations on a text-to-image preset), each "
-        "{name, image, scale, start, end}; at most the preset's requests.max_controls. A multipart body sends this "
-        "list as JSON text without the images, and the images as `control_image` files in the same order."
+        "{name, image, scale, start, end} (and an inpainting ControlNet's `mask`); at most the preset's "
+        "requests.max_controls. A multipart body sends this list as JSON text without the images, and the images "
+        "as `control_image` files in the same order (the masks as `control_mask` files)."
     )
 
     @field_validator("cache", "control", mode="before")

@@ -201,7 +201,8 @@ CONTROLNET_OUTPUT_SCALE = 0.25  # the residual projections' weights, over ``rand
 
 
 def write_controlnet(
-    out_dir: str | pathlib.Path, transformer: str | pathlib.Path, seed: int = 0, num_layers: int = 2
+    out_dir: str | pathlib.Path, transformer: str | pathlib.Path, seed: int = 0, num_layers: int = 2,
+    inpaint: bool = False,
 ) -> pathlib.Path:
     """Writes a ``QwenImageControlNetModel`` (InstantX's Qwen-Image ControlNet Union's class) of ``num_layers``
     blocks matching the transformer of ``transformer`` (a checkpoint folder with ``transformer/``, or the
@@ -212,7 +213,9 @@ def write_controlnet(
     (``controlnet_blocks``) and the control image's embedder, so a fresh controlnet would add nothing and a test
     of it would prove nothing. The residual projections are scaled by ``CONTROLNET_OUTPUT_SCALE`` so that the
     residuals move the image clearly without swamping the transformer's own activations. The same seed writes the
-    same bytes."""
+    same bytes. With ``inpaint``, an inpainting ControlNet (InstantX's Qwen-Image-ControlNet-Inpainting's layout,
+    ``QwenImageControlNetInpaintPipeline``'s): ``extra_condition_channels`` is the packed mask channel's
+    ``patch_size ** 2`` (4), its control embedder taking the 68 channels of 17 packed ones."""
     from diffusers import QwenImageControlNetModel, QwenImageTransformer2DModel
 
     folder = pathlib.Path(transformer)
@@ -229,6 +232,7 @@ def write_controlnet(
         num_attention_heads=config["num_attention_heads"],
         joint_attention_dim=config["joint_attention_dim"],
         axes_dims_rope=tuple(config["axes_dims_rope"]),
+        extra_condition_channels=config["patch_size"] ** 2 if inpaint else 0,
     )
     model = randomised(model, seed + 5)
     with torch.no_grad():
@@ -257,12 +261,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from", dest="source", metavar="CHECKPOINT",
                         help="--controlnet: the checkpoint (or its transformer/ folder) whose widths it takes")
     parser.add_argument("--layers", type=int, default=2, help="--controlnet: its number of blocks (default 2)")
+    parser.add_argument("--inpaint", action="store_true",
+                        help="--controlnet: an inpainting ControlNet (a control mask beside the control image)")
     args = parser.parse_args(argv)
     if args.controlnet:
         if args.source is None:
             parser.error("--controlnet needs --from CHECKPOINT")
-        out = write_controlnet(args.out_dir, args.source, seed=args.seed, num_layers=args.layers)
-        print(f"wrote a {args.layers}-layer ControlNet for {args.source} (seed {args.seed}) to {out}")
+        out = write_controlnet(args.out_dir, args.source, seed=args.seed, num_layers=args.layers,
+                               inpaint=args.inpaint)
+        kind = "inpainting ControlNet" if args.inpaint else "ControlNet"
+        print(f"wrote a {args.layers}-layer {kind} for {args.source} (seed {args.seed}) to {out}")
         return
     if args.qwen_image_2_1:
         from omni_ray.checkpoints import tiny21

@@ -18,6 +18,11 @@ unconditional pass reuses the residuals of its conditional one, as diffusers' do
 nothing added. In a gang each rank runs the controlnets whole for the states of the passes it runs (every sequence
 rank the same states) and adds its own chunk of their tokens; CFG ranks running one request's two passes each
 compute its residuals.
+
+An inpainting ControlNet (``QwenImageControlNetInpaintPipeline``, InstantX's Qwen-Image-ControlNet-Inpainting, whose
+``extra_condition_channels`` are the packed mask channel's 4) runs the same way on 68-channel control latents (the
+masked control image's sample and the control mask: ``runners.vae``), beside plain ones, each controlnet batched over
+its own rows. That pipeline is a controlnet-guided text-to-image: no latents are blended back.
 """
 
 from __future__ import annotations
@@ -175,11 +180,15 @@ class DenoiseRunner(SteppingRunner):
             raise ValueError("control: ControlNets guide text-to-image generation, not edits or masked edits")
         rows, cols = latent_grid(params.height, params.width)
         tokens = (rows // 2) * (cols // 2)
-        channels = self.transformer.config.in_channels
         for k, (control, latents) in enumerate(zip(params.controls, controls)):
             if control.name not in self.controlnets:
                 known = ", ".join(sorted(self.controlnets)) or "none"
                 raise ValueError(f"control: no ControlNet named {control.name!r} on this replica (it has: {known})")
+            extra = self.controlnets[control.name].config.extra_condition_channels
+            if control.mask != bool(extra):
+                raise ValueError(f"control: ControlNet {control.name!r} "
+                                 f"{'is an inpainting one: its control needs' if extra else 'takes no'} a mask")
+            channels = self.transformer.config.in_channels + extra
             if not 0.0 <= control.start < control.end <= 1.0:
                 raise ValueError(f"control: ControlNet {k}'s window {control.start}..{control.end} is not within "
                                  "0..1 with its start before its end")
@@ -362,9 +371,10 @@ def keep(control: Control, step_index: int, num_steps: int) -> float:
 
 def check_controlnets(transformer: QwenImageTransformer2DModel, controlnets: dict[str, QwenImageControlNetModel]
                       ) -> None:
-    """The preset's controlnets must fit the transformer (their residuals are added to its image tokens) and have
-    one number of blocks (a request's controls are summed block by block, as diffusers' multi-controlnet sums);
-    ValueError naming ``controlnets`` otherwise."""
+    """The preset's controlnets must fit the transformer (their residuals are added to its image tokens), take no
+    extra condition channels but an inpainting ControlNet's packed mask (``patch_size ** 2``: one channel packed
+    2x2, as ``QwenImageControlNetInpaintPipeline`` packs it), and have one number of blocks (a request's controls
+    are summed block by block, as diffusers' multi-controlnet sums); ValueError naming ``controlnets`` otherwise."""
     t = transformer.config
     width = t.num_attention_heads * t.attention_head_dim
     for name, net in controlnets.items():
@@ -373,9 +383,9 @@ def check_controlnets(transformer: QwenImageTransformer2DModel, controlnets: dic
                 (width, t.in_channels, t.joint_attention_dim, t.patch_size):
             raise ValueError(f"controlnets: {name!r} does not fit the transformer (its width, input channels, text "
                              "width or patch size differ)")
-        if c.extra_condition_channels:
-            raise ValueError(f"controlnets: {name!r} takes extra condition channels (an inpainting ControlNet), "
-                             "which is not supported")
+        if c.extra_condition_channels not in (0, c.patch_size ** 2):
+            raise ValueError(f"controlnets: {name!r} takes {c.extra_condition_channels} extra condition channels; an "
+                             f"inpainting ControlNet takes the packed mask's {c.patch_size ** 2}")
     if len({net.config.num_layers for net in controlnets.values()}) > 1:
         raise ValueError("controlnets: they have different numbers of blocks; a request's controls are summed block "
                          "by block, so they must have one")

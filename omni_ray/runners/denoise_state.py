@@ -173,10 +173,12 @@ def draw_noise(params: DenoiseParams, channels: int, dtype: torch.dtype) -> torc
     same seed gives the same image on any device. Draws the pipelines make from the same generator before the noise
     are skipped: a masked edit's start image's sample, and each control image's (``QwenImageControlNetPipeline``
     encodes them in order, ``retrieve_latents`` drawing ``mean + std * randn`` of the latents' shape
-    ``[1, channels, 1, rows, cols]`` from its generator, before ``prepare_latents``)."""
+    ``[1, channels, 1, rows, cols]`` from its generator, before ``prepare_latents``). An inpainting ControlNet's
+    control image is not among them: ``QwenImageControlNetInpaintPipeline`` samples it from torch's global generator,
+    leaving the pipeline's own to the noise (``Control.mask``)."""
     rows, cols = latent_grid(params.height, params.width)
     generator = torch.Generator("cpu").manual_seed(params.seed)
-    earlier = len(params.controls) + (params.inpaint is not None)
+    earlier = sum(not control.mask for control in params.controls) + (params.inpaint is not None)
     for _ in range(earlier):  # the VAE drew these samples from this seed's generator first
         torch.randn((1, channels, 1, rows, cols), generator=generator, dtype=dtype)
     return torch.randn((1, 1, channels, rows, cols), generator=generator, dtype=dtype)

@@ -178,7 +178,8 @@ class SimulatedVae:
             try:
                 if isinstance(request, ImageEncodeRequest):
                     height, width = request.image.shape[:2]
-                    latents = torch.zeros(image_tokens(height, width), LATENT_CHANNELS, dtype=self.dtype)
+                    channels = LATENT_CHANNELS + (4 if request.mask is not None else 0)  # a control mask's
+                    latents = torch.zeros(image_tokens(height, width), channels, dtype=self.dtype)
                     output.finished[request.request_id] = Latents(latents, height, width)
                     pixels += height * width
                     continue

@@ -88,7 +88,8 @@ class BatchedVae:
         if isinstance(requests[0], ImageEncodeRequest):
             if self.comm.rank != 0:
                 return {}
-            encoded = self.encode([r.image for r in requests], [r.seed for r in requests], [r.draw for r in requests])
+            encoded = self.encode([r.image for r in requests], [r.seed for r in requests], [r.draw for r in requests],
+                                  [r.mask for r in requests])
             return dict(zip((r.request_id for r in requests), encoded))
         to_decode = [request for request in requests if request.output != "latents"]
         pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
@@ -153,29 +154,47 @@ class VaeRunner(BatchedVae):
         return (image * 255).round().to(torch.uint8)
 
     def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None,
-               draws: list[int] | None = None) -> list[Latents]:
+               draws: list[int] | None = None, masks: list[np.ndarray | None] | None = None) -> list[Latents]:
         """Encodes same-size uint8 images ``[H, W, 3]`` in one VAE call; returns each one's packed latents: the
         latent distribution's mode, or where ``seeds`` gives one, a sample drawn with it (with ``draws``, the
-        seed's generator's ``draws[i]``-th sample of that shape: a request's k-th control image)."""
+        seed's generator's ``draws[i]``-th sample of that shape: a request's k-th control image). Where ``masks``
+        gives one (an inpainting ControlNet's control mask, uint8 ``[H, W]``, 1 repaints; with a seed), the image
+        is masked first and the latents carry the mask: ``[tokens, 68]``."""
         height, width = images[0].shape[:2]
         seeds = seeds or [None] * len(images)
-        rows = self._encode(images, seeds, draws or [0] * len(images))
+        masks = masks or [None] * len(images)
+        if any(mask is not None and seed is None for seed, mask in zip(seeds, masks)):
+            raise ValueError("a control mask's image is sampled: it needs a seed")
+        rows = self._encode(images, seeds, draws or [0] * len(images), masks)
         return [Latents(to_host(row), height, width) for row in rows]
 
     @torch.inference_mode()
-    def _encode(self, images: list[np.ndarray], seeds: list[int | None], draws: list[int]) -> torch.Tensor:
-        """The images' packed latents ``[B, tokens, 64]``, on the device. A mode is normalised as diffusers' edit
-        pipelines normalise it; a sample is drawn on the CPU from ``torch.Generator().manual_seed(seed)`` in the
-        distribution's shape and normalised as diffusers' inpaint pipelines do (``_encode_vae_image`` with a
-        generator). A row's ``draw`` skips that many draws of the same shape first: diffusers' controlnet pipelines
-        sample each control image in turn from the one generator (``retrieve_latents``, whose ``latent_dist.sample``
-        is ``randn_tensor`` of the distribution's shape), so the k-th control image's sample is the generator's
-        (k+1)-th. Samples are per row: seeds and draws never split a batch."""
+    def _encode(self, images: list[np.ndarray], seeds: list[int | None], draws: list[int],
+                masks: list[np.ndarray | None] | None = None) -> list[torch.Tensor]:
+        """Each image's packed latents ``[tokens, 64]`` (``[tokens, 68]`` with a mask), on the device. A mode is
+        normalised as diffusers' edit pipelines normalise it; a sample is drawn on the CPU from
+        ``torch.Generator().manual_seed(seed)`` in the distribution's shape and normalised as diffusers' inpaint
+        pipelines do (``_encode_vae_image`` with a generator). A row's ``draw`` skips that many draws of the same
+        shape first: diffusers' controlnet pipelines sample each control image in turn from the one generator
+        (``retrieve_latents``, whose ``latent_dist.sample`` is ``randn_tensor`` of the distribution's shape), so the
+        k-th control image's sample is the generator's (k+1)-th. Samples are per row: seeds, draws and masks never
+        split a batch.
+
+        A row with a mask is ``QwenImageControlNetInpaintPipeline.prepare_image_with_mask``: its pixels where the
+        mask repaints set to -1 (black) before encoding, the sample normalised, and ``1 - mask`` on the latent grid
+        (``interpolate``'s nearest: every 8th pixel) appended as a 17th channel before packing, which packs to the
+        64 latent columns followed by the mask's 4. diffusers draws that sample from torch's global generator
+        (``latent_dist.sample()`` without one); here it is the seed's own generator's ``draw``-th, which is
+        diffusers' when the caller seeds the global generator with the seed before the pipeline call."""
         from PIL import Image
 
         height, width = images[0].shape[:2]
         assert all(image.shape[:2] == (height, width) for image in images), "mixed sizes in one encode"
+        masks = masks or [None] * len(images)
         pixels = torch.cat([self.image_processor.preprocess(Image.fromarray(image), height, width) for image in images])
+        for row, mask in enumerate(masks):
+            if mask is not None:  # prepare_image_with_mask: masked_image[mask > 0.5] = -1
+                pixels[row, :, torch.from_numpy(mask > 0)] = -1.0
         moments = self.encoder(pixels.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last))
         mean, logvar = moments.chunk(2, dim=1)
         latents_mean, latents_std = self.latents_mean.to(self.dtype), self.latents_std.to(self.dtype)
@@ -191,4 +210,11 @@ class VaeRunner(BatchedVae):
             eps = torch.randn(shape, generator=generator, dtype=mean.dtype)
             sample = mean[row] + std * eps[0, :, 0].to(self.device)
             normalised[row] = (sample - latents_mean[0]) * (1.0 / latents_std[0])
-        return pack_latents(normalised.contiguous().unsqueeze(1))  # [B, frames=1, z_dim, h, w] -> [B, tokens, 64]
+        packed = pack_latents(normalised.contiguous().unsqueeze(1))  # [B, frames=1, z_dim, h, w] -> [B, tokens, 64]
+        rows = list(packed)
+        for row, mask in enumerate(masks):
+            if mask is not None:
+                step = VAE_COMPRESSION
+                keep = 1.0 - torch.from_numpy(mask[::step, ::step] > 0).to(self.device, self.dtype)
+                rows[row] = torch.cat([rows[row], pack_latents(keep[None, None, None])[0]], dim=-1)
+        return rows

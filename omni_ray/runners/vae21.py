@@ -107,7 +107,7 @@ class VaeRunner21(BatchedVae):
         return (image * 255).round().to(torch.uint8)
 
     def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None,
-               draws: list[int] | None = None) -> list[Latents]:
+               draws: list[int] | None = None, masks: list[np.ndarray | None] | None = None) -> list[Latents]:
         """Encodes same-size uint8 condition images ``[H, W, 3 or 4]`` (RGB or RGBA, at their working size) in one
         VAE call; returns each one's normalised packed latents ``[tokens, 64]``. A seed (a sample, not the mode, and
         so ``draws``) raises ValueError."""
