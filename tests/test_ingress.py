@@ -165,6 +165,29 @@ def test_health_models_and_the_page(config):
     assert client.get("/web/app.js").status_code == 200 and client.get("/web/nope.js").status_code == 404
 
 
+def page_settings(html: str) -> dict:
+    """The settings page.py wrote into the page for app.js."""
+    tag = '<script id="settings" type="application/json">'
+    start = html.index(tag) + len(tag)
+    return json.loads(html[start:html.index("</script>", start)])
+
+
+def test_the_page_is_told_the_preset_s_controlnets_where_they_run(config):
+    """The page offers ControlNets (its Control section) on a text-to-image preset that holds some, up to
+    requests.max_controls; none on one without, nor on an edit preset (which refuses `control`)."""
+    from deployments.http.page import page_html
+    from omni_ray.config import EditConfig
+
+    plain = page_settings(client_for(config)[0].get("/").text)
+    assert (plain["controlnets"], plain["max_controls"], plain["edit"]) == ([], 0, False)
+    held = config.model_copy(update={"controlnets": {"union": "/nets/union", "canny": "/nets/canny"}})
+    controlled = page_settings(client_for(held)[0].get("/").text)
+    assert controlled["controlnets"] == ["union", "canny"]
+    assert controlled["max_controls"] == config.requests.max_controls == 2
+    edit = page_settings(page_html(held.model_copy(update={"edit": EditConfig()})))
+    assert (edit["controlnets"], edit["max_controls"], edit["edit"]) == ([], 0, True)
+
+
 def test_adapters_are_checked_by_the_dit_before_they_are_listed(config):
     client, stages = client_for(allowing_runtime_adapters(config))
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/style"})

@@ -97,3 +97,60 @@ def test_inpainting_control_as_json_and_multipart_equals_diffusers(served, tiny_
     status, body = post(served["base"] + "/v1/images/generations",
                         {**fields, "control": [{"name": "inpaint", "image": encoded["image"]}]})
     assert status == 400 and body["error"]["param"] == "control[0].mask", body
+
+
+def test_the_page_generates_with_a_control_image(served, tmp_path):
+    """In a headless Chromium: the page's Control section takes a control image (its thumbnail shows, the empty size
+    takes its size), names one of another size than the output before sending, shows the server's 400 beside the
+    part it names, and generates the image the same request sends over HTTP (within one level); at most
+    requests.max_controls (2) ControlNets; it fits a phone's width."""
+    import base64
+
+    from testing.browser import browser_page, fits_a_phone, result_size
+    from testing.reference import source_image
+    from testing.serving import file_bytes
+
+    png_file = file_bytes(source_image(96, 64, seed=9))
+    (tmp_path / "edges.png").write_bytes(png_file)
+    with browser_page() as page:
+        sent = []
+        page.on("request", lambda request: sent.append(request.url) if "/v1/" in request.url else None)
+        page.goto(served["base"] + "/")
+        page.click("#add-control")
+        assert page.eval_on_selector("#control-0-name", "select => [...select.options].map(o => o.value)") == ["union"]
+        page.click("#add-control")
+        assert page.is_disabled("#add-control")  # requests.max_controls: 2
+        page.click('[data-field="control[1]"] .remove')
+        page.set_input_files("#control-0-image", str(tmp_path / "edges.png"))
+        page.wait_for_selector(".control-preview", state="visible")
+        page.wait_for_function("document.getElementById('size').value !== ''")
+        assert page.input_value("#size") == "96x64"  # the output takes the control image's size
+
+        page.fill("#size", "64x64")
+        page.fill("#prompt", "a harbour")
+        page.click("#generate")
+        page.wait_for_selector('[data-field="control[0].image"] .error:not(:empty)')
+        assert "96x64, but the output is 64x64" in page.text_content('[data-field="control[0].image"] .error')
+        assert sent == []  # said on the page, not sent
+        page.fill("#size", "96x64")
+        page.fill("#control-0-scale", "20")
+        page.click("#generate")
+        page.wait_for_selector('[data-field="control[0].scale"] .error:not(:empty)')  # the server's 400
+        assert "control[0].scale" in page.text_content('[data-field="control[0].scale"] .error')
+        assert page.text_content('[data-field="control[0].image"] .error') == ""
+
+        page.fill("#control-0-scale", "0.9")
+        page.fill("#num_inference_steps", "4")
+        page.fill("#seed", "12")
+        page.click("#generate")
+        assert result_size(page) == (96, 64)
+        shown = page.get_attribute(".card img.result", "src").removeprefix("data:image/png;base64,")
+        page.screenshot(path=tmp_path / "page-control.png", full_page=True)
+        page.set_viewport_size({"width": 390, "height": 844})
+        assert fits_a_phone(page)
+    control = [{"name": "union", "image": base64.b64encode(png_file).decode(), "scale": 0.9}]
+    status, body = post(served["base"] + "/v1/images/generations", {
+        "prompt": "a harbour", "size": "96x64", "seed": 12, "num_inference_steps": 4, "true_cfg_scale": 4,
+        "control": control})
+    assert status == 200, body
+    assert within_one_level(png(shown), png(body["data"][0]["b64_json"]))

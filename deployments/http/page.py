@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from omni_ray import qwen_image21
 from omni_ray.config import PipelineConfig
 
 WEB = pathlib.Path(__file__).resolve().parent / "web"
@@ -13,14 +14,20 @@ WEB_FILES = {name: (kind, (WEB / name).read_bytes())
 
 
 def page_html(config: PipelineConfig, api_key: bool = False) -> str:
-    """index.html with what the page needs of the preset: its name, mode, input images an edit takes, default size
-    and steps, sizes to offer, and whether the server takes an API key (the page then asks for it)."""
+    """index.html with what the page needs of the preset: its name, mode, input images an edit takes, ControlNets
+    and how many a request may apply, default size and steps, sizes to offer, and whether the server takes an API
+    key (the page then asks for it)."""
     limits = config.requests
     default = f"{limits.default_width}x{limits.default_height}"
     squares = [f"{side}x{side}" for side in (64, 128, 256, 512, 1024, 1328)
                if limits.min_side <= side <= limits.max_side]
+    # ControlNets run on a Qwen-Image text-to-image preset's generations only (an edit preset's are refused); the page
+    # has no mask field, so it offers no inpainting ControlNet (the API takes those).
+    controlnets = [name for name in config.controlnets if name not in config.inpaint_controlnets] \
+        if config.edit is None and config.family != qwen_image21.FAMILY else []
     settings = {"model": config.name, "edit": config.edit is not None, "default_size": default,
                 "max_images": config.edit.max_images if config.edit is not None else 0,
+                "controlnets": controlnets, "max_controls": limits.max_controls if controlnets else 0,
                 "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares])),
                 "api_key": api_key}
     # "</" cannot end the script element early: JSON allows "<\/" for "</".

@@ -36,6 +36,56 @@ imageInput.addEventListener("change", () => {
   if (file) preview.src = URL.createObjectURL(file);
 });
 
+// ControlNets (a text-to-image preset that holds some): up to max_controls, each a row of the form, sent as a
+// multipart form with the control images as files.
+const controlList = document.getElementById("controls");
+const addControl = document.getElementById("add-control");
+document.body.classList.toggle("controlled", settings.controlnets.length > 0);
+addControl.addEventListener("click", newControl);
+
+function newControl() {
+  const control = document.getElementById("control-template").content.firstElementChild.cloneNode(true);
+  for (const name of settings.controlnets) control.querySelector("select").append(new Option(name, name));
+  const input = control.querySelector('input[type="file"]');
+  input.addEventListener("change", async () => {
+    const preview = control.querySelector(".control-preview");
+    const file = input.files[0];
+    preview.hidden = !file;
+    if (!file) return;
+    preview.src = URL.createObjectURL(file);
+    const size = document.getElementById("size");
+    if (size.value.trim() === "") size.value = (await imageSize(file)).join("x");  // the output takes its size
+  });
+  control.querySelector(".remove").addEventListener("click", () => {
+    control.remove();
+    numberControls();
+  });
+  controlList.append(control);
+  numberControls();
+}
+
+function numberControls() {
+  // Each part is named as the server names it in an error (control[k].scale), so its message shows beside it.
+  controlList.querySelectorAll(".control").forEach((control, k) => {
+    control.dataset.field = `control[${k}]`;
+    for (const part of control.querySelectorAll("[data-part]")) {
+      const id = `control-${k}-${part.dataset.part}`;
+      part.dataset.field = `control[${k}].${part.dataset.part}`;
+      part.querySelector("input, select").id = id;
+      part.querySelector("label").htmlFor = id;
+    }
+  });
+  addControl.disabled = controlList.children.length >= settings.max_controls;
+  addControl.textContent = controlList.children.length ? "Add another ControlNet" : "Add a ControlNet";
+}
+
+async function imageSize(file) {
+  const bitmap = await createImageBitmap(file);
+  const size = [bitmap.width, bitmap.height];
+  bitmap.close();
+  return size;
+}
+
 document.getElementById("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) {  // Shift+Enter still starts a new line
     event.preventDefault();
@@ -48,7 +98,9 @@ form.addEventListener("submit", async (event) => {
   clearErrors();
   button.disabled = true;
   try {
-    await generate(fields());
+    const body = fields();
+    const controls = await controlFields(body.size ?? settings.default_size);
+    if (controls) await generate(body, controls);
   } catch (error) {
     showError("", `The request failed: ${error.message}`);
   } finally {
@@ -69,7 +121,36 @@ function fields() {
   return body;
 }
 
-async function generate(body) {
+async function controlFields(size) {
+  // The controls as the API takes them and their image files, in order; null when one has no image or one of
+  // another size than the output (said beside it: the server would refuse it, not resize it).
+  const controls = [];
+  const files = [];
+  const [width, height] = (size === "auto" ? settings.default_size : size).split("x").map(Number);
+  for (const [k, control] of Array.from(controlList.querySelectorAll(".control")).entries()) {
+    const file = control.querySelector('input[type="file"]').files[0];
+    if (!file) {
+      showError(`control[${k}].image`, "choose a control image (or remove this ControlNet)");
+      return null;
+    }
+    const [w, h] = await imageSize(file);
+    if (width && height && (w !== width || h !== height)) {  // a size the server cannot read: it names `size`
+      showError(`control[${k}].image`, `this image is ${w}x${h}, but the output is ${width}x${height}; ` +
+        "a control image must be the output's size (or set the size to the image's)");
+      return null;
+    }
+    const entry = { name: control.querySelector("select").value };
+    for (const part of ["scale", "start", "end"]) {
+      const value = control.querySelector(`[data-part="${part}"] input`).value.trim();
+      if (value !== "") entry[part] = Number.isNaN(parseFloat(value)) ? value : parseFloat(value);
+    }
+    controls.push(entry);
+    files.push(file);
+  }
+  return { controls, files };
+}
+
+async function generate(body, { controls, files } = { controls: [], files: [] }) {
   let response;
   const headers = {};
   const key = keyInput.value.trim();
@@ -83,6 +164,12 @@ async function generate(body) {
     for (const file of imageInput.files) data.append(field, file);
     for (const [name, value] of Object.entries(body)) data.append(name, String(value));
     response = await fetch("/v1/images/edits", { method: "POST", headers, body: data });
+  } else if (controls.length) {
+    const data = new FormData();
+    for (const [name, value] of Object.entries(body)) data.append(name, String(value));
+    data.append("control", JSON.stringify(controls));  // the images are files, in the controls' order
+    for (const file of files) data.append("control_image", file);
+    response = await fetch("/v1/images/generations", { method: "POST", headers, body: data });
   } else {
     headers["Content-Type"] = "application/json";
     response = await fetch("/v1/images/generations", { method: "POST", headers, body: JSON.stringify(body) });
@@ -168,7 +255,7 @@ async function readEvents(response, onEvent) {
 
 function showError(param, message) {
   const field = document.querySelector(`[data-field="${param}"]`);
-  const slot = field?.querySelector(".error") ?? document.getElementById("error");
+  const slot = field?.querySelector(":scope > .error") ?? document.getElementById("error");
   field?.classList.add("invalid");
   slot.textContent = message;
 }
