@@ -122,6 +122,28 @@ class EncodeRequest:
 
 
 @dataclass(slots=True)
+class CaptionRequest:
+    """Qwen-Image-Layered's caption of its input image, for a request without a prompt: the encoder generates it
+    greedily (``qwen_image_layered.CAPTION_TEMPLATES[language]``, up to the preset's bound of new tokens)."""
+
+    timing: ClassVar[str] = "caption"
+    request_id: str
+    image: np.ndarray  # uint8 [H, W, 4] (or [H, W, 3]) at its working size, as the pipeline hands it to Qwen2.5-VL's
+    # processor (which reads alpha over white)
+    language: Literal["en", "zh"] = "en"
+
+
+@dataclass(frozen=True, slots=True)
+class Caption:
+    """The caption's text (special tokens skipped, stripped, as the pipeline decodes it), the tokens generated, and
+    whether it came from the encoder's cache (an image captioned before, by its bytes)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    cached: bool = False
+
+
+@dataclass(slots=True)
 class EncodedPrompt:
     """The encoder's result for one request; travels to the DiT stage."""
 
@@ -155,6 +177,10 @@ class DenoiseParams:
     controls: tuple[Control, ...] = ()  # ControlNets in the request's order; never split a batch
     sigmas: tuple[float, ...] | None = None  # Qwen-Image 2.1: the sigmas to sample with (the checkpoint's
     # sample_sigmas, num_inference_steps of them); None: evenly spaced from 1, as diffusers' pipelines
+    layers: int = 0  # Qwen-Image-Layered: the RGBA layers the input image is decomposed into (the DiT denoises
+    # layers + 1 frames, the composite first); 0 for every other model
+    cfg_normalize: bool = True  # true CFG rescales the guided prediction to the conditional one's norm (Qwen-Image's
+    # pipelines always; Layered's ``cfg_normalize``, off by default)
 
     def __post_init__(self) -> None:
         if any(not self.first_step < step < self.num_inference_steps for step in self.previews):
@@ -181,10 +207,11 @@ class BatchKey(NamedTuple):
     width: int
     true_cfg: bool
     image_sizes: tuple[tuple[int, int], ...]  # (height, width) of each input image, none for text to image
+    layers: int = 0  # Qwen-Image-Layered's layer count (its frames: layers + 1)
 
     @classmethod
     def of(cls, params: DenoiseParams, image_sizes: tuple[tuple[int, int], ...]) -> BatchKey:
-        return cls(params.height, params.width, params.true_cfg, image_sizes)
+        return cls(params.height, params.width, params.true_cfg, image_sizes, params.layers)
 
 
 @dataclass(slots=True)
@@ -259,6 +286,8 @@ class Latents:
     height: int
     width: int
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, the stages so far
+    layers: int = 0  # Qwen-Image-Layered's: ``latents`` holds layers + 1 frames one after another, the composite
+    # first (which the VAE drops), each [image_tokens, 64]; 0: one image
     dit_passes: dict[str, int] = field(default_factory=dict)  # "computed"/"reused" -> transformer passes (true CFG
     # runs two per step, each decided apart)
 
@@ -349,7 +378,8 @@ class VaeBatch:
 class Decoded:
     """A request's result, per its output mode; crosses to the coordinator (plain numpy and CPU tensors)."""
 
-    pixels: np.ndarray | None  # [H, W, 3] uint8 (Qwen-Image 2.1: RGBA, [H, W, 4])
+    pixels: np.ndarray | None  # [H, W, 3] uint8 (Qwen-Image 2.1: RGBA, [H, W, 4]; Layered: its layers bottom to
+    # top, RGBA, [layers, H, W, 4])
     latents: Latents | None
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, every stage
     dit_passes: dict[str, int] = field(default_factory=dict)  # the DiT's passes computed and reused (Latents')
