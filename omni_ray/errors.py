@@ -16,6 +16,7 @@ class StageCall(enum.Enum):
     DENOISE = "denoise"
     DECODE = "decode"
     CHECK_LORA = "check_lora"
+    CAPTION = "caption"  # Qwen-Image-Layered: the encoder captions an image for an empty prompt
 
 
 class OmniRayError(Exception):
