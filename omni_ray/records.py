@@ -253,7 +253,7 @@ class DenoiseRequest:
         """Tokens each of its steps pushes through the transformer (``qwen_image.dit_work_tokens``)."""
         texts = [self.prompt] + ([self.negative] if self.params.true_cfg else [])
         return dit_work_tokens(self.params.height, self.params.width, max(t.num_tokens for t in texts),
-                               self.params.true_cfg, self.image_sizes)
+                               self.params.true_cfg, self.image_sizes, self.params.layers)
 
 
 @dataclass(slots=True)
