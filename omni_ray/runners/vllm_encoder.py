@@ -70,6 +70,10 @@ class VllmEncoder:
     of vision features into the first layers when it has images), and the language model's final RMSNorm is replaced
     by its residual add alone, so the pooled states are the last decoder layer's, before the norm. RGBA images are
     read with alpha over white (``vision.to_pil``).
+
+    ``captions`` (Qwen-Image-Layered): a second, generating engine writes greedy captions of images
+    (``self.captioner``, ``runners.vllm_captioner``) on this engine's weights; it needs the vision tower
+    (``max_image_pixels``).
     """
 
     def __init__(
@@ -84,6 +88,8 @@ class VllmEncoder:
         dummy: bool = False,
         gpu_memory_utilization: float = 0.9,
         family: str = "qwen-image",
+        captions: bool = False,
+        caption_max_tokens: int = 512,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Left on, vLLM replaces the process's logging set-up on import, and a Serve replica loses its log file.
@@ -109,7 +115,7 @@ class VllmEncoder:
             }
         else:
             modality = {"model": local_subfolder(model, "text_encoder"), "language_model_only": True}
-        self.config = EngineArgs(
+        args = EngineArgs(
             tokenizer=tokenizer,
             dtype=dtype,
             max_model_len=max_model_len,
@@ -123,7 +129,8 @@ class VllmEncoder:
             pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
             load_format="dummy" if dummy else "auto",  # dummy: vLLM's random weights, from the config alone
             **modality,
-        ).create_engine_config()
+        )
+        self.config = args.create_engine_config()
         executor = _loopback_executor(UniProcExecutor)
         if self.family21:
             executor = _skip_final_norm(executor)
@@ -131,6 +138,15 @@ class VllmEncoder:
         self.pooling_params = PoolingParams(task="token_embed", use_activation=False)
         self.pooling_params.verify(self.config.model_config)
         self.input_processor = InputProcessor(self.config) if vision or self.family21 else None
+        self.captioner = None
+        if captions:
+            if not vision:
+                raise ValueError("captions need the vision tower: give max_image_pixels")
+            from omni_ray.runners.vllm_captioner import VllmCaptioner
+            from omni_ray.tokenizer import CaptionTokenizer
+
+            template_tokens = CaptionTokenizer(model).max_template_tokens
+            self.captioner = VllmCaptioner(args, self.core, caption_max_tokens, max_image_pixels, template_tokens)
 
     def add(self, request_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
         """Queues one sequence; with ``images``, its i-th ``<|image_pad|>`` token stands for the i-th image."""
@@ -173,6 +189,8 @@ class VllmEncoder:
         }
 
     def shutdown(self) -> None:
+        if self.captioner is not None:
+            self.captioner.shutdown()
         self.core.shutdown()
 
 
