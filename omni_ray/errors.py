@@ -12,6 +12,7 @@ class StageCall(enum.Enum):
     """The calls a request makes of the stages; a lost one is named by it and issued again."""
 
     ENCODE_PROMPT = "encode_prompt"
+    CAPTION = "caption"
     ENCODE_IMAGE = "encode_image"
     DENOISE = "denoise"
     DECODE = "decode"

@@ -29,6 +29,8 @@ from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_v
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.errors import RequestError
 from omni_ray.records import (
+    Caption,
+    CaptionRequest,
     Decoded,
     DecodeRequest,
     DenoiseParams,
@@ -64,6 +66,10 @@ class LocalStages(Stages[object]):
     def encode_prompt(self, request: EncodeRequest, images: tuple[np.ndarray, ...]) -> asyncio.Future:
         request.images = images
         return asyncio.ensure_future(self.encoder.generate(request))
+
+    async def caption(self, request: CaptionRequest, image: np.ndarray) -> Caption:
+        request.image = image
+        return await self.encoder.generate(request)
 
     def encode_image(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0,
                      mask: np.ndarray | None = None) -> asyncio.Future:

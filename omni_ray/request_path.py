@@ -28,6 +28,8 @@ from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import LoraEntry, RequestLimits
 from omni_ray.errors import DeadlineExceededError, EngineError, OmniRayError, StageCall, StageLostError
 from omni_ray.records import (
+    Caption,
+    CaptionRequest,
     Decoded,
     DenoiseParams,
     EncodeRequest,
@@ -81,6 +83,11 @@ class Stages(ABC, Generic[Handle]):
     async def decode(self, request_id: str, latents: Handle, output: OutputMode, preview: bool = False) -> Decoded:
         """The image's result per ``output``: pixels, latents or both; a ``preview``'s pixels are decoded apart from
         final images."""
+
+    @abstractmethod
+    async def caption(self, request: CaptionRequest, image: Handle) -> Caption:
+        """Qwen-Image-Layered's caption of its input image (stored by ``put_image``; ``request.image`` is not
+        read), for a request without a prompt: the encoder writes it greedily, or has it from its cache."""
 
     @abstractmethod
     def cancel(self, handle: Handle) -> None:

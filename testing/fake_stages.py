@@ -10,7 +10,7 @@ import numpy as np
 
 from omni_ray.config import LoraEntry
 from omni_ray.errors import StageCall, StageLostError
-from omni_ray.records import Decoded, Finished, Follows, Preview, StepDone
+from omni_ray.records import Caption, Decoded, Finished, Follows, Preview, StepDone
 from omni_ray.request_path import Stages
 
 
@@ -64,6 +64,14 @@ class FakeStages(Stages[Call]):
         if self._loses("encode_image"):
             self.lost.add(id(call))
         return call
+
+    async def caption(self, request, image):
+        """A caption naming the request's language ("a caption (en)"); lost or failed as told."""
+        call = self._call("caption", request, image)
+        await self._run(call)
+        if self._loses("caption"):
+            raise StageLostError("encoder", StageCall.CAPTION)
+        return Caption(f"a caption ({request.language})", (1, 2, 3))
 
     async def _run(self, call: Call):
         if call.name in self.fail:

@@ -47,6 +47,7 @@ class VllmCaptioner:
             pooler_config=None,
             load_format="dummy",  # replaced by the pooling model's modules (``share_modules``) before any forward
             max_model_len=template_tokens + max_image_pixels // VISION_PATCH**2 + max_tokens,
+            mm_processor_kwargs={"max_pixels": max_image_pixels},
             gpu_memory_utilization=_memory_left(engine_args.gpu_memory_utilization),
         ).create_engine_config()
         executor = _sharing_executor(_loopback_executor(UniProcExecutor), source, engine_args.model)
