@@ -29,16 +29,13 @@ class VllmCaptioner:
     weights shared with ``pooling_core``'s model. The image goes through vLLM's input processor as an edit's does.
     A sequence holds the template (``template_tokens`` at most), the image (up to ``max_image_pixels``) and the
     caption.
-    Call it from the thread that drives the pooling engine."""
+    ``executor`` is the pooling engine's executor class. Call it from the thread that drives the pooling engine."""
 
-    def __init__(self, engine_args, pooling_core, max_tokens: int, max_image_pixels: int, template_tokens: int):
+    def __init__(self, engine_args, pooling_core, executor: type, max_tokens: int, max_image_pixels: int,
+                 template_tokens: int):
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.engine.input_processor import InputProcessor
-        from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-        from omni_ray.runners.vllm_encoder import _loopback_executor
-
         source = pooling_core.model_executor.driver_worker.worker.model_runner.model
         self.config = dataclasses.replace(
             engine_args,
@@ -50,8 +47,7 @@ class VllmCaptioner:
             mm_processor_kwargs={"max_pixels": max_image_pixels},
             gpu_memory_utilization=_memory_left(engine_args.gpu_memory_utilization),
         ).create_engine_config()
-        executor = _sharing_executor(_loopback_executor(UniProcExecutor), source, engine_args.model)
-        self.core = EngineCore(self.config, executor, log_stats=False)
+        self.core = EngineCore(self.config, _sharing_executor(executor, source, engine_args.model), log_stats=False)
         generation = _generation_config(engine_args.model)
         self.sampling_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
                                               repetition_penalty=generation.get("repetition_penalty", 1.0))

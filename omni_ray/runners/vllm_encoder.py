@@ -149,7 +149,8 @@ class VllmEncoder:
             from omni_ray.tokenizer import CaptionTokenizer
 
             template_tokens = CaptionTokenizer(model).max_template_tokens
-            self.captioner = VllmCaptioner(args, self.core, caption_max_tokens, caption_image_pixels, template_tokens)
+            self.captioner = VllmCaptioner(args, self.core, _loopback_executor(UniProcExecutor), caption_max_tokens,
+                                           caption_image_pixels, template_tokens)
 
     def add(self, request_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
         """Queues one sequence; with ``images``, its i-th ``<|image_pad|>`` token stands for the i-th image."""
