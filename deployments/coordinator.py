@@ -45,6 +45,7 @@ from deployments.process import collect_when_idle, freeze_startup_heap, watch_ev
 from deployments.stages import ServeStages
 from omni_ray.api.images import (
     base64_limit,
+    composite,
     load_control_images,
     load_control_masks,
     load_inputs,
@@ -56,6 +57,7 @@ from omni_ray.api.planning import (
     check_control_route,
     check_controls,
     check_route,
+    layered_resolution,
     max_image_bytes,
     plan_request,
     requested_size,
@@ -267,7 +269,8 @@ class CrossEngineCoordinator:
                                                               control_masks)
             if files is not None or mask is not None:
                 async with self.image_slots:
-                    inputs = await asyncio.to_thread(load_inputs, files, mask, self.config, size)
+                    inputs = await asyncio.to_thread(load_inputs, files, mask, self.config, size,
+                                                     layered_resolution(body, self.config))
             plan = plan_request(body, self.config, self.tokenizer.num_tokens, inputs,
                                 await self.adapters.for_request(body), has_image=files is not None,
                                 control_images=controls, control_masks=masks)
@@ -318,9 +321,12 @@ class CrossEngineCoordinator:
 
     async def json_response(self, plan: GenerationPlan, request_id: str) -> dict:
         results = await collect(self.events(plan, request_id))
-        files = await asyncio.gather(*(_image_file(result, plan.request) for result in results))
-        stats = [image_stats(result.timings, result.dit_passes) for result in results]
-        return await asyncio.to_thread(images_response, files, plan, stats)
+        per_result = await asyncio.gather(*(_image_files(result, plan.request) for result in results))
+        files = [file for result_files in per_result for file in result_files]
+        each = range(plan.images_per_result)  # a Layered image's layers share its stats and caption
+        stats = [image_stats(result.timings, result.dit_passes) for result in results for _ in each]
+        revised = [result.revised_prompt for result in results for _ in each]
+        return await asyncio.to_thread(images_response, files, plan, stats, revised)
 
     async def sse_events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[dict]:
         """Each image's previews and the image as it is done, or one error event; with ``progress``, progress after
@@ -333,10 +339,15 @@ class CrossEngineCoordinator:
                 data = await _image_file(event.result, plan.request)
                 yield await asyncio.to_thread(partial_image_event, plan, event.index, event.partial_index, data)
             elif isinstance(event, ImageDone):
-                data = await _image_file(event.result, plan.request)
                 result = event.result
                 stats = image_stats(result.timings, result.dit_passes) if plan.request.timings else None
-                yield await asyncio.to_thread(completed_event, plan, event.index, data, stats)
+                if not plan.layers:
+                    data = await _image_file(result, plan.request)
+                    yield await asyncio.to_thread(completed_event, plan, event.index, data, stats)
+                    continue
+                for layer, data in enumerate(await _image_files(result, plan.request)):  # one event per layer
+                    yield await asyncio.to_thread(completed_event, plan, event.index, data, stats, layer,
+                                                  result.revised_prompt)
             else:
                 yield {"type": "error", **error_body(event.error)}
 
@@ -363,9 +374,21 @@ CrossEngineCoordinator = serve.ingress(build_api(CrossEngineCoordinator))(CrossE
 
 
 async def _image_file(result: Decoded, request: ImageGenerationRequest) -> bytes:
-    """The image file of one result, written on a thread (a large PNG takes a good part of a second)."""
-    return await asyncio.to_thread(write_image_file, result.pixels, request.output_format, request.output_compression,
+    """The image file of one result, written on a thread (a large PNG takes a good part of a second); a Layered
+    result's (a preview's) is its layers composited."""
+    pixels = result.pixels if result.pixels.ndim == 3 else composite(result.pixels)
+    return await asyncio.to_thread(write_image_file, pixels, request.output_format, request.output_compression,
                                    request.background != "opaque")
+
+
+async def _image_files(result: Decoded, request: ImageGenerationRequest) -> list[bytes]:
+    """The image files of one result: its one image, or a Layered result's layers bottom to top, each written on a
+    thread."""
+    if result.pixels.ndim == 3:
+        return [await _image_file(result, request)]
+    return list(await asyncio.gather(*(
+        asyncio.to_thread(write_image_file, layer, request.output_format, request.output_compression,
+                          request.background != "opaque") for layer in result.pixels)))
 
 
 def _count_failure(err: OmniRayError) -> None:

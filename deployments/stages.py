@@ -122,8 +122,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         return self.encoder.encode.remote(request, *images)
 
     async def caption(self, request: CaptionRequest, image: ray.ObjectRef) -> Caption:
-        """The encoder's caption; the image travels by reference (``request.image`` is not sent)."""
-        request = CaptionRequest(request.request_id, None, request.language)
+        """The encoder's caption; the image travels by reference (the request path sends ``request.image`` None)."""
         response = self.encoder.caption.remote(request, image)
         try:
             return await response

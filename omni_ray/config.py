@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -409,6 +410,20 @@ class EditConfig(_Frozen):
     max_image_bytes: PositiveInt = Field(
         20 << 20, description="Largest input image file a request may upload; a larger one gets a 413."
     )
+    resolutions: tuple[PositiveInt, ...] | None = Field(
+        None,
+        description="Qwen-Image-Layered only (family qwen-image-layered): the resolution buckets a request's "
+        "`resolution` names, the first its default. The input image (and every layer) takes the bucket's square "
+        "area at the image's aspect ratio, sides rounded to multiples of 32 (image_area is not read). "
+        "QwenImageLayeredPipeline's are 640 and 1024; a tiny preset's are smaller.",
+    )
+
+    @field_validator("resolutions")
+    @classmethod
+    def _resolutions_are_multiples(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and (not value or len(set(value)) != len(value) or any(side % 32 for side in value)):
+            raise ValueError("distinct sides, each a multiple of 32")
+        return value
 
     @property
     def pipeline(self) -> str:
@@ -419,6 +434,8 @@ class EditConfig(_Frozen):
     def max_vision_pixels(self) -> int:
         """A bound on the pixels Qwen2.5-VL's processor sees in one image: its size for the encoder with sides
         rounded to 28 (at most (32 + 14) / 32 longer each, as sides are at least 32) stays within 4x the area."""
+        if self.resolutions is not None:  # Layered's caption reads the image at its bucket's area
+            return 4 * max(self.resolutions) ** 2
         return 4 * (self.condition_area if self.plus else self.image_area)
 
 
@@ -708,8 +725,10 @@ class PipelineConfig(_Frozen):
 
     @property
     def prompt_template(self) -> PromptTemplate:
-        """The checkpoint's prompt template: the edit one for Qwen-Image-Edit checkpoints."""
-        return template_for(edit=self.edit is not None, plus=self.edit is not None and self.edit.plus)
+        """The checkpoint's prompt template: the edit one for Qwen-Image-Edit checkpoints (Qwen-Image-Layered encodes
+        its prompt as text to image: the image reaches the DiT alone)."""
+        edit = self.edit is not None and self.edit.resolutions is None
+        return template_for(edit=edit, plus=edit and self.edit.plus)
 
     @property
     def is_local(self) -> bool:

@@ -12,11 +12,11 @@ class StageCall(enum.Enum):
     """The calls a request makes of the stages; a lost one is named by it and issued again."""
 
     ENCODE_PROMPT = "encode_prompt"
-    CAPTION = "caption"
     ENCODE_IMAGE = "encode_image"
     DENOISE = "denoise"
     DECODE = "decode"
     CHECK_LORA = "check_lora"
+    CAPTION = "caption"  # Qwen-Image-Layered: the encoder captions an image for an empty prompt
 
 
 class OmniRayError(Exception):
@@ -92,6 +92,14 @@ class EngineError(OmniRayError):
 
     def __str__(self) -> str:
         return f"{self.stage}: {self.message}" if self.stage else self.message
+
+
+class RefusedError(EngineError):
+    """A stage refused a request before running it: an input its model does not take (an RGB image for an RGBA VAE,
+    say). The request's fault, so a 400; it fails alone."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
 
 
 class OverloadedError(EngineError):

@@ -128,8 +128,8 @@ class CaptionRequest:
 
     timing: ClassVar[str] = "caption"
     request_id: str
-    image: np.ndarray  # uint8 [H, W, 4] (or [H, W, 3]) at its working size, as the pipeline hands it to Qwen2.5-VL's
-    # processor (which reads alpha over white)
+    image: np.ndarray | None  # uint8 [H, W, 4] (or [H, W, 3]) at its working size, as the pipeline hands it to
+    # Qwen2.5-VL's processor (which reads alpha over white); None while it travels apart (``Stages.caption``)
     language: Literal["en", "zh"] = "en"
 
 
@@ -384,6 +384,7 @@ class Decoded:
     latents: Latents | None
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, every stage
     dit_passes: dict[str, int] = field(default_factory=dict)  # the DiT's passes computed and reused (Latents')
+    revised_prompt: str | None = None  # the request path's: Layered's caption, where it stood for an empty prompt
 
 
 @dataclass(slots=True)

@@ -63,6 +63,11 @@ class Stages(ABC, Generic[Handle]):
         """Starts encoding the prompt (and the negative prompt, when given), with the edit's images."""
 
     @abstractmethod
+    async def caption(self, request: CaptionRequest, image: Handle) -> Caption:
+        """Qwen-Image-Layered's caption of an input image (stored by ``put_image``; ``request.image`` is not read),
+        written by the encoder for a request without a prompt."""
+
+    @abstractmethod
     def encode_image(self, request_id: str, image: Handle, seed: int | None = None, draw: int = 0,
                      mask: Handle | None = None) -> Handle:
         """Starts encoding one of an edit's input images to latents the DiT edits beside (the distribution's mode),
@@ -83,11 +88,6 @@ class Stages(ABC, Generic[Handle]):
     async def decode(self, request_id: str, latents: Handle, output: OutputMode, preview: bool = False) -> Decoded:
         """The image's result per ``output``: pixels, latents or both; a ``preview``'s pixels are decoded apart from
         final images."""
-
-    @abstractmethod
-    async def caption(self, request: CaptionRequest, image: Handle) -> Caption:
-        """Qwen-Image-Layered's caption of its input image (stored by ``put_image``; ``request.image`` is not
-        read), for a request without a prompt: the encoder writes it greedily, or has it from its cache."""
 
     @abstractmethod
     def cancel(self, handle: Handle) -> None:
@@ -147,7 +147,7 @@ async def run_request(
     """The request's events: progress per denoising step of every image, each image when it is done, or one
     ``Failed`` that ends the stream. Leaving the stream early (or the deadline) cancels every stage call."""
     events: asyncio.Queue[RequestEvent] = asyncio.Queue()
-    inputs = _SharedInputs(stages, plan, request_id)
+    inputs = _SharedInputs(stages, plan, request_id, limits.max_retries)
     tasks = [
         asyncio.ensure_future(_run_image(stages, plan, inputs, index, output, limits.max_retries, events.put_nowait))
         for index in range(plan.request.n)
@@ -191,8 +191,8 @@ class _SharedInputs:
     Control images are stored once too, but each image of the request samples them with its own seed
     (``encode_controls``)."""
 
-    def __init__(self, stages: Stages, plan: GenerationPlan, request_id: str):
-        self.stages, self.plan, self.request_id = stages, plan, request_id
+    def __init__(self, stages: Stages, plan: GenerationPlan, request_id: str, max_retries: int = 0):
+        self.stages, self.plan, self.request_id, self.max_retries = stages, plan, request_id, max_retries
         stored: dict[int, Handle] = {}
 
         def put(image: np.ndarray) -> Handle:
@@ -206,7 +206,9 @@ class _SharedInputs:
         self.control_images = tuple(map(put, plan.control_images))
         masks = plan.control_masks or (None,) * len(plan.control_images)
         self.control_masks = tuple(put(mask) if mask is not None else None for mask in masks)
-        self.prompt = self._encode_prompt()
+        self.caption: Caption | None = None  # Layered without a prompt: the encoder's caption, once written
+        self.captioning = asyncio.ensure_future(self._write_caption()) if plan.caption is not None else None
+        self.prompt = self._encode_prompt() if self.captioning is None else None
         self.masked = plan.inpaint is not None  # each image starts from its own sample of the first input image
         self.image_encodes = 0  # times the image latents were asked for: a retry's calls get ids of their own
         self.image_latents = self._encode_images() if not self.masked else ()
@@ -214,7 +216,32 @@ class _SharedInputs:
     def _encode_prompt(self) -> Handle:
         request = self.plan.request
         negative = request.negative_prompt if self.plan.true_cfg else None
-        return self.stages.encode_prompt(EncodeRequest(self.request_id, request.prompt, negative), self.prompt_images)
+        prompt = self.caption.text if self.caption is not None else request.prompt
+        return self.stages.encode_prompt(EncodeRequest(self.request_id, prompt, negative), self.prompt_images)
+
+    async def _write_caption(self) -> None:
+        """The caption a Layered request without a prompt is encoded from (the encoder's, of its input image), then
+        the prompt's encoding started; a lost call is issued again up to ``limits.max_retries`` times."""
+        retries = 0
+        while True:
+            request = CaptionRequest(f"{self.request_id}-caption{retries or ''}", None, self.plan.caption)
+            try:
+                self.caption = await self.stages.caption(request, self.images[0])
+                break
+            except StageLostError as lost:
+                retries += 1
+                if retries > self.max_retries:
+                    raise
+                logger.warning("request %s: %s; issuing it again (retry %d of %d)", self.request_id, lost, retries,
+                               self.max_retries)
+                await asyncio.sleep(0.2 * retries)
+        self.prompt = self._encode_prompt()
+
+    async def ready(self) -> None:
+        """Waits until the prompt's encoding has started (at once, but for a caption to write first); raises what
+        the caption failed with."""
+        if self.captioning is not None:
+            await asyncio.shield(self.captioning)
 
     def _encode_images(self) -> tuple[Handle, ...]:
         retry = f"-retry{self.image_encodes}" if self.image_encodes else ""
@@ -259,7 +286,10 @@ class _SharedInputs:
             self.stages.cancel(handle)
 
     def cancel(self) -> None:
-        self.stages.cancel(self.prompt)
+        if self.captioning is not None:
+            self.captioning.cancel()
+        if self.prompt is not None:
+            self.stages.cancel(self.prompt)
         self.cancel_images()
 
 
@@ -279,6 +309,7 @@ async def _run_image(
         previews = _Previews(stages, index, emit, len(params.previews))
         start = inputs.encode_start(image_id, params.seed) if inputs.masked else None
         controls = inputs.encode_controls(image_id, params.seed)
+        await inputs.ready()
         while True:
             call_id = image_id if not retries else f"{image_id}-retry{retries}"
             prompt, image_latents = inputs.prompt, inputs.conditions(start)
@@ -292,6 +323,8 @@ async def _run_image(
                         else:
                             latents = event.result
                 result = await stages.decode(call_id, latents, output)
+                if inputs.caption is not None:
+                    result.revised_prompt = inputs.caption.text
                 await previews.finish()  # previews come before the image
                 emit(ImageDone(index, result))
                 return

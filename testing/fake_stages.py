@@ -1,6 +1,7 @@
 """A fake stage protocol for tests of the request path and the ingress, where the engines are not the subject: it
 records every call, and can lose, fail or hang the calls it is told to. Its images are flat: every pixel is the
-image's seed (mod 256), at the requested size; a preview's are the seed plus its step."""
+image's seed (mod 256), at the requested size; a preview's are the seed plus its step. A Layered image's layers are
+RGBA, layer k's pixels the seed plus k; a caption is "a caption of <the image handle's call>"."""
 
 from __future__ import annotations
 
@@ -66,12 +67,11 @@ class FakeStages(Stages[Call]):
         return call
 
     async def caption(self, request, image):
-        """A caption naming the request's language ("a caption (en)"); lost or failed as told."""
         call = self._call("caption", request, image)
         await self._run(call)
         if self._loses("caption"):
             raise StageLostError("encoder", StageCall.CAPTION)
-        return Caption(f"a caption ({request.language})", (1, 2, 3))
+        return Caption(f"a caption of {image!r}", (1, 2, 3))
 
     async def _run(self, call: Call):
         if call.name in self.fail:
@@ -111,6 +111,10 @@ class FakeStages(Stages[Call]):
             return Decoded(pixels=np.full((params.height, params.width, 3), (params.seed + step) % 256, np.uint8),
                            latents=None)
         params = latents.args[1]
+        if params.layers:
+            layers = [np.full((params.height, params.width, 4), (params.seed + k) % 256, np.uint8)
+                      for k in range(params.layers)]
+            return Decoded(pixels=np.stack(layers) if output != "latents" else None, latents=None)
         pixels = np.full((params.height, params.width, 3), params.seed % 256, np.uint8)
         return Decoded(pixels=pixels if output != "latents" else None, latents=None)
 

@@ -26,24 +26,27 @@ MAX_INPUT_PIXELS = 8192 * 8192  # an input image's pixels before resizing; refus
 
 
 def load_inputs(files: Sequence[bytes] | None, mask: bytes | None, config: PipelineConfig,
-                size: tuple[int, int] | None = None) -> InputImages | None:
+                size: tuple[int, int] | None = None, resolution: int | None = None) -> InputImages | None:
     """What a request's uploads are: a masked edit's one image and its mask (``load_masked_input``, at the size the
-    request names, ``size``, when it names one), an edit's images (``load_input_images``), or nothing to decode (no
-    upload, or a text-to-image preset given an image without a mask: planning refuses that route)."""
+    request names, ``size``, when it names one), an edit's images (``load_input_images``; Qwen-Image-Layered's at
+    its ``resolution`` bucket), or nothing to decode (no upload, or a text-to-image preset given an image without a
+    mask: planning refuses that route)."""
     if mask is not None:
         if len(files or ()) > 1:
             raise RequestError("image: a masked edit takes one image", param="image")
         return load_masked_input(files[0] if files else b"", mask, config, size)
     if files is not None and config.edit is not None:
-        return load_input_images(files, config)
+        return load_input_images(files, config, resolution)
     return None
 
 
-def load_input_images(files: Sequence[bytes], config: PipelineConfig) -> InputImages:
+def load_input_images(files: Sequence[bytes], config: PipelineConfig, resolution: int | None = None
+                      ) -> InputImages:
     """An edit's uploaded image files, checked and resized as diffusers' pipelines resize them: each to its working
     size (``config.edit.image_area`` pixels at its aspect ratio) for the VAE and, for Edit-Plus, from the same
     upload to ``config.edit.condition_area`` pixels for the encoder (Qwen-Image-Edit's encoder reads the working
-    size).
+    size). Qwen-Image-Layered's one image is RGBA at ``resolution`` squared pixels (a bucket of
+    ``config.edit.resolutions``, the first by default), and its encoder reads no image (its prompt is text alone).
 
     Raises RequestError (param ``image``) for no file or more than ``config.edit.max_images``, and for each file a
     missing, unreadable, corrupt or unsupported file, or one whose aspect ratio gives a working size outside the
@@ -55,13 +58,17 @@ def load_input_images(files: Sequence[bytes], config: PipelineConfig) -> InputIm
         raise RequestError(f"image: {config.name!r} takes {more} per request, got {len(files)}", param="image")
     if not files:
         raise RequestError("image: required: the image to edit, as a PNG, JPEG or WebP file", param="image")
+    layered = edit.resolutions is not None
+    area = (resolution or edit.resolutions[0]) ** 2 if layered else edit.image_area
     vae, encoder = [], []
     for number, data in enumerate(files, 1):
         which = f"image {number} of {len(files)}: " if len(files) > 1 else ""
-        image = open_input_image(data, edit.max_image_bytes, which, rgba=config.family == "qwen-image-2.1")
-        vae.append(_resized(image, config, edit.image_area, f"{which}a {image.width}x{image.height} image's working "))
+        image = open_input_image(data, edit.max_image_bytes, which, rgba=layered or config.family == "qwen-image-2.1")
+        vae.append(_resized(image, config, area, f"{which}a {image.width}x{image.height} image's working "))
         if edit.plus:
             encoder.append(_resized(image, config, edit.condition_area, ""))
+    if layered:
+        return InputImages(tuple(vae), ())
     return InputImages(tuple(vae), tuple(encoder) if edit.plus else tuple(vae))
 
 
@@ -318,6 +325,19 @@ def resize_image(image, height: int, width: int) -> np.ndarray:
     from PIL import Image
 
     return np.asarray(image.resize((width, height), resample=Image.LANCZOS))
+
+
+def composite(layers: np.ndarray) -> np.ndarray:
+    """RGBA layers ``[L, H, W, 4]`` (uint8, bottom first) laid over one another (Porter-Duff "over", straight
+    alpha), as one RGBA image ``[H, W, 4]``: what a Layered preview shows."""
+    out = np.zeros(layers.shape[1:3] + (4,), dtype=np.float32)
+    for layer in layers.astype(np.float32) / 255:
+        alpha = layer[..., 3:]
+        out_alpha = alpha + out[..., 3:] * (1 - alpha)
+        color = layer[..., :3] * alpha + out[..., :3] * out[..., 3:] * (1 - alpha)
+        out[..., :3] = np.divide(color, out_alpha, out=np.zeros_like(color), where=out_alpha > 0)
+        out[..., 3:] = out_alpha
+    return np.round(out * 255).astype(np.uint8)
 
 
 def keeps_alpha(output_format: OutputFormat, alpha: bool = True) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from omni_ray import qwen_image21
+from omni_ray import qwen_image21, qwen_image_layered
 from omni_ray.api.images import check_sides, load_control_images, load_control_masks
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, EditConfig, LoraEntry, PipelineConfig, SamplingRecipe
@@ -62,6 +62,11 @@ class GenerationPlan:
     # size), in the same order: the VAE samples each with an image's seed, the k-th after k others
     control_masks: tuple[np.ndarray | None, ...] = ()  # per control, an inpainting ControlNet's mask (uint8
     # [height, width], 1 repaints), None for the others
+    layers: int = 0  # Qwen-Image-Layered: the layers each image is decomposed into (its result: that many RGBA
+    # images); 0 for every other model
+    cfg_normalize: bool = True  # true CFG's norm rescale (Qwen-Image's always; Layered's per request, off by default)
+    caption: str | None = None  # Layered without a prompt: the language of the caption the encoder writes of the
+    # image first, to stand for the prompt; None when the request has a prompt
 
     def __post_init__(self) -> None:
         if self.true_cfg_scale is None:
@@ -75,6 +80,7 @@ class GenerationPlan:
             self.height, self.width, self.num_inference_steps, self.seed + index, self.true_cfg_scale, self.cache,
             self.lora, true_cfg=self.true_cfg, priority=request.priority, tenant=self.tenant,
             scheduler=self.scheduler, inpaint=self.inpaint, sigmas=self.sigmas, controls=self.controls,
+            layers=self.layers, cfg_normalize=self.cfg_normalize,
         )
         previews = preview_steps(request.partial_images if request.stream else 0, params.steps_run)
         return dataclasses.replace(params, previews=tuple(params.first_step + step for step in previews))
@@ -93,6 +99,11 @@ class GenerationPlan:
         text = max(1, self.input_tokens.total // passes - drop)
         image_sizes = self.inputs.condition_sizes if self.inputs is not None else ()
         return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_sizes)
+
+    @property
+    def images_per_result(self) -> int:
+        """Image files each of the ``n`` results makes: its layers (Qwen-Image-Layered), else one."""
+        return self.layers or 1
 
     @property
     def event_prefix(self) -> str:
@@ -135,6 +146,9 @@ def plan_request(
     check_route(config, has_image=has_image, has_mask=inputs is not None and inputs.mask is not None)
     request = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
     check_fields(request, config)
+    layered = check_layered(request, config)
+    if layered and inputs is not None:  # the encoder reads the prompt alone; the VAE the image as RGBA
+        inputs = dataclasses.replace(inputs, vae=tuple(map(with_alpha, inputs.vae)), encoder=())
     controls = check_controls(request, config)
     # 2. The model: the base, or a LoRA adapter and its sampling recipe.
     lora = resolve_model(request, config, adapters or {})
@@ -145,6 +159,9 @@ def plan_request(
     elif config.family == qwen_image21.FAMILY and "true_cfg_scale" not in request.model_fields_set:
         true_cfg_scale = 1.0  # 2.1 samples without guidance unless asked, as its pipeline
     # 3. The size, a masked edit's mask, and the steps.
+    if layered and request.size not in (None, "auto"):
+        raise RequestError("size: the layers take the input image's working size at its `resolution`; leave size "
+                           "out (or auto)", param="size")
     height, width = resolve_size(request, config, inputs.sizes[-1] if inputs is not None and inputs.conditions
                                  else None)
     inpaint = check_mask(request, inputs, height, width)
@@ -163,7 +180,11 @@ def plan_request(
         steps = len(sigmas)
     # 4. True CFG, decided once; what the encoder reads, within its limit.
     true_cfg = uses_true_cfg(true_cfg_scale, request.negative_prompt is not None)
-    input_tokens = count_input_tokens(request, config, count_tokens, inputs, true_cfg)
+    caption = None
+    if layered and qwen_image_layered.needs_caption(request.prompt):
+        caption = request.caption_language or "en"
+    input_tokens = count_input_tokens(request, config, count_tokens, inputs if not layered else None, true_cfg,
+                                      caption is not None)
     # 5. The plan, seeds assigned.
     return GenerationPlan(
         request=request,
@@ -184,11 +205,55 @@ def plan_request(
         timeout_s=request.timeout or config.requests.timeout_s,
         tenant=request.user or "",
         sigmas=sigmas,
-        rgba=config.family == qwen_image21.FAMILY,
+        rgba=config.family in (qwen_image21.FAMILY, qwen_image_layered.FAMILY),
         controls=controls,
         control_images=control_images,
         control_masks=control_masks,
+        layers=(request.layers or qwen_image_layered.DEFAULT_LAYERS) if layered else 0,
+        cfg_normalize=bool(request.cfg_normalize) if layered else True,
+        caption=caption,
     )
+
+
+def with_alpha(image: np.ndarray) -> np.ndarray:
+    """An RGB image as RGBA, opaque (PIL's ``convert("RGBA")``); an RGBA one as it is."""
+    import numpy as np
+
+    if image.shape[-1] == 4:
+        return image
+    return np.concatenate([image, np.full(image.shape[:2] + (1,), 255, dtype=image.dtype)], axis=-1)
+
+
+LAYERED_FIELDS = ("layers", "resolution", "cfg_normalize", "caption_language")
+
+
+def check_layered(request: ImageGenerationRequest, config: PipelineConfig) -> bool:
+    """Whether the request decomposes an image into layers (the preset is Qwen-Image-Layered's); RequestError naming
+    a Layered field sent to another preset, or a ``resolution`` that is not one of the preset's buckets. The schema
+    has bounded ``layers``."""
+    if config.family != qwen_image_layered.FAMILY:
+        for field in LAYERED_FIELDS:
+            if getattr(request, field) is not None:
+                raise RequestError(f"{field}: Qwen-Image-Layered's; {config.name!r} does not decompose images into "
+                                   "layers", param=field)
+        return False
+    buckets = config.edit.resolutions
+    if request.resolution is not None and request.resolution not in buckets:
+        raise RequestError(f"resolution: one of {', '.join(map(str, buckets))} here, got {request.resolution}",
+                           param="resolution")
+    return True
+
+
+def layered_resolution(body: object, config: PipelineConfig) -> int | None:
+    """The resolution bucket a Layered request's image is resized for (its ``resolution``, else the preset's first),
+    read before the image is decoded; None for other presets. A body that does not validate is left to planning."""
+    if config.family != qwen_image_layered.FAMILY or config.edit is None or config.edit.resolutions is None:
+        return None
+    value = body.resolution if isinstance(body, ImageGenerationRequest) else \
+        body.get("resolution") if isinstance(body, dict) else None
+    if isinstance(value, str) and value.strip().isdigit():  # a multipart form's text
+        value = int(value)
+    return value if value in config.edit.resolutions else config.edit.resolutions[0]
 
 
 def asks_for_control(body: object) -> bool:
@@ -293,9 +358,12 @@ def checkpoint_sigmas(request: ImageGenerationRequest, config: PipelineConfig, r
 def check_fields(request: ImageGenerationRequest, config: PipelineConfig) -> None:
     """The fields OpenAI's schema takes but this server cannot honour, and its own bounds."""
     family_21 = config.family == qwen_image21.FAMILY
-    if request.background == "transparent" and not family_21:
-        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque (Qwen-Image 2.1 draws "
-                           "RGBA)", param="background")
+    layered = config.family == qwen_image_layered.FAMILY
+    if not request.prompt.strip() and not layered:
+        raise RequestError("prompt: must not be empty", param="prompt")
+    if request.background == "transparent" and not (family_21 or layered):
+        raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque (Qwen-Image 2.1 and "
+                           "Qwen-Image-Layered draw RGBA)", param="background")
     if family_21 and "cache" in request.model_fields_set and request.cache is not None:
         raise RequestError("cache: DiT cache acceleration is Qwen-Image's; Qwen-Image 2.1 keeps its condition's keys "
                            "and values across steps instead", param="cache")
@@ -329,12 +397,17 @@ def resolve_steps(request: ImageGenerationRequest, config: PipelineConfig, recip
 
 
 def count_input_tokens(request: ImageGenerationRequest, config: PipelineConfig, count_tokens: CountTokens | None,
-                       inputs: InputImages | None, true_cfg: bool) -> TokenCount:
+                       inputs: InputImages | None, true_cfg: bool, caption: bool = False) -> TokenCount:
     """The tokens the encoder reads: the prompt's, and the negative prompt's with true CFG (without it the negative
-    is never encoded); RequestError naming the text past the encoder's ``max_model_len``."""
+    is never encoded); RequestError naming the text past the encoder's ``max_model_len``. A prompt the encoder
+    writes as a caption (``caption``) counts at its bound, the encoder's ``max_sequence_length`` past the template:
+    the estimate of the DiT's work is never short."""
     total = TokenCount(0)
     if count_tokens is None:
         return total
+    if caption:
+        request = request.model_copy(update={"prompt": ""})
+        total = TokenCount(config.encoder.max_sequence_length)
     image_sizes = tuple(image.shape[:2] for image in inputs.encoder) if inputs is not None else ()
     for field in ("prompt", "negative_prompt"):
         text = getattr(request, field)

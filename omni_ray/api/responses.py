@@ -66,18 +66,25 @@ def progress_event(plan: GenerationPlan, index: int, step: int, total_steps: int
     return {"type": f"{plan.event_prefix}.progress", "index": index, "step": step, "total_steps": total_steps}
 
 
-def completed_event(plan: GenerationPlan, index: int, data: bytes, stats: dict | None = None) -> dict:
+def completed_event(plan: GenerationPlan, index: int, data: bytes, stats: dict | None = None,
+                    layer: int | None = None, revised_prompt: str | None = None) -> dict:
     """The streamed event that carries image ``index``, after OpenAI's ``image_generation.completed`` (and
     ``image_edit.completed`` for edits); with ``stats`` (``image_stats``'), the image's times and DiT passes. Its
-    ``usage`` counts the request's input and this image's output."""
+    ``usage`` counts the request's input and this image's output. A Layered request's image sends one per
+    ``layer`` (bottom first), its ``index`` the layer's place in the response's ``data``; with the caption that
+    stood for its empty prompt (``revised_prompt``)."""
     event = {
         "type": f"{plan.event_prefix}.completed",
-        "index": index,
+        "index": index if layer is None else index * plan.layers + layer,
         "b64_json": b64encode(data),
         "created_at": int(time.time()),
         **output_fields(plan, event=True),
         "usage": usage(plan, images=1),
     }
+    if layer is not None:
+        event["layer"] = layer
+    if revised_prompt is not None:
+        event["revised_prompt"] = revised_prompt
     return {**event, **(stats or {})}
 
 
@@ -107,12 +114,18 @@ def image_stats(timings: dict[str, float], dit_passes: dict[str, int]) -> dict:
             "dit_passes": dit_passes}
 
 
-def images_response(files: list[bytes], plan: GenerationPlan, stats: list[dict] | None = None) -> dict:
-    """OpenAI's images response body; with ``timings``, each image's ``image_stats``."""
+def images_response(files: list[bytes], plan: GenerationPlan, stats: list[dict] | None = None,
+                    revised_prompts: list[str | None] | None = None) -> dict:
+    """OpenAI's images response body (a Layered request's: each image's layers, bottom to top, image after image);
+    with ``timings``, each file's image's ``image_stats``; each file's ``revised_prompt`` where a caption stood for
+    the prompt."""
     data = [{"b64_json": b64encode(file)} for file in files]
     if plan.request.timings and stats is not None:
         for item, image in zip(data, stats):
             item.update(image)
+    for item, revised in zip(data, revised_prompts or ()):
+        if revised is not None:
+            item["revised_prompt"] = revised
     return {"created": int(time.time()), "data": data, **output_fields(plan), "usage": usage(plan, plan.request.n)}
 
 
@@ -131,9 +144,10 @@ def output_fields(plan: GenerationPlan, event: bool = False) -> dict:
 
 
 def usage(plan: GenerationPlan, images: int) -> dict:
-    """OpenAI's token usage of the request's input and ``images`` of its images (see the module's docstring)."""
+    """OpenAI's token usage of the request's input and ``images`` of its images (see the module's docstring; a
+    Layered image's output counts each of its layers)."""
     text, image = plan.input_tokens
-    output = images * image_tokens(plan.height, plan.width)
+    output = images * plan.images_per_result * image_tokens(plan.height, plan.width)
     return {"input_tokens": text + image, "input_tokens_details": {"text_tokens": text, "image_tokens": image},
             "output_tokens": output, "total_tokens": text + image + output}
 

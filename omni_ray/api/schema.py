@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from omni_ray.config import CacheSettings, Number, field_errors
 from omni_ray.errors import RequestError
+from omni_ray.qwen_image_layered import DEFAULT_LAYERS, MAX_LAYERS, MIN_LAYERS
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_SEED = 2**63 - 1
@@ -54,7 +55,8 @@ class ImageGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str = Field(..., description="What to draw.")
+    prompt: str = Field(..., description="What to draw. Qwen-Image-Layered: may be empty, and the encoder then "
+                        "writes a caption of the image to use instead (the response's revised_prompt).")
     model: str | None = Field(
         None, description="The served model's name, or a LoRA adapter's (the base model with that adapter); "
         "optional, checked when given."
@@ -122,6 +124,25 @@ class ImageGenerationRequest(BaseModel):
         "as `control_image` files in the same order (the masks as `control_mask` files)."
     )
 
+    layers: int | None = Field(
+        None, ge=MIN_LAYERS, le=MAX_LAYERS, description="omni-ray's, for Qwen-Image-Layered (/v1/images/edits on a "
+        f"layered preset): the RGBA layers to decompose the image into, {MIN_LAYERS} to {MAX_LAYERS} "
+        f"({DEFAULT_LAYERS} when omitted). `data` holds each image's layers bottom to top, n x layers PNGs."
+    )
+    resolution: int | None = Field(
+        None, description="Qwen-Image-Layered's resolution bucket, one of the preset's edit.resolutions (the first "
+        "when omitted; the published model's are 640 and 1024): the input image and its layers take that square's "
+        "area at the image's aspect ratio."
+    )
+    cfg_normalize: bool | None = Field(
+        None, description="Qwen-Image-Layered's: true CFG's guided prediction rescaled to the conditional one's norm "
+        "(off when omitted, as diffusers' pipeline; the model card turns it on)."
+    )
+    caption_language: Literal["en", "zh"] | None = Field(
+        None, description="Qwen-Image-Layered's: the language of the caption the encoder writes of the image when the "
+        "prompt is empty (diffusers' use_en_prompt): en when omitted (diffusers' default is zh)."
+    )
+
     @field_validator("cache", "control", mode="before")
     @classmethod
     def _form_field_is_json(cls, value, info):
@@ -135,13 +156,6 @@ class ImageGenerationRequest(BaseModel):
                 '[{"name": "canny", "scale": 0.8}]'
             kind = "a JSON object" if info.field_name == "cache" else "a JSON list"
             raise ValueError(f"expected {kind} such as {example}, or null") from None
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must not be empty")
-        return value
 
 
 def parse_request(body: object, form: bool = False) -> ImageGenerationRequest:

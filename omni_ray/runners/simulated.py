@@ -22,6 +22,7 @@ import torch
 
 from omni_ray.errors import request_failure
 from omni_ray.qwen_image import LATENT_CHANNELS, TEXT_HIDDEN, VISION_PATCH, check_side, image_tokens
+from omni_ray.qwen_image_layered import decoded_frames
 from omni_ray.records import (
     Decoded,
     DenoiseBatch,
@@ -198,7 +199,8 @@ class SimulatedDenoiser:
 
 class SimulatedVae:
     """Stands for ``VaeRunner`` under the VAE's scheduler: a batch takes the simulated time of its pixels; decoding
-    gives photo-like uint8 ``[H, W, 3]`` pixels, encoding an edit's image gives zero latents ``[tokens, 64]``."""
+    gives photo-like uint8 ``[H, W, 3]`` pixels (Qwen-Image-Layered's layered latents: ``[layers, H, W, 4]``, each
+    layer opaque), encoding an edit's image gives zero latents ``[tokens, 64]``."""
 
     def __init__(self, dtype: torch.dtype, costs: GpuCosts | None = None):
         self.dtype = dtype
@@ -220,8 +222,8 @@ class SimulatedVae:
                 latents = request.latents
                 image = None
                 if request.output != "latents":
-                    image = photo_like(latents.height, latents.width, _variant(latents)).copy()
-                    pixels += latents.height * latents.width
+                    image = _pixels(latents)
+                    pixels += decoded_frames(latents.layers) * latents.height * latents.width
                 output.finished[request.request_id] = Decoded(
                     pixels=image, latents=latents if request.output != "pixels" else None,
                     dit_passes=latents.dit_passes,
@@ -230,6 +232,16 @@ class SimulatedVae:
                 output.errors[request.request_id] = request_failure(err)
         _wait_until(started + self.costs.vae_step(pixels))
         return output
+
+
+def _pixels(latents: Latents) -> np.ndarray:
+    """A decode's pixels: a photo-like image, or for layered latents that many photo-like RGBA layers."""
+    variant = _variant(latents)
+    if not latents.layers:
+        return photo_like(latents.height, latents.width, variant).copy()
+    layers = [photo_like(latents.height, latents.width, (variant + layer) % 4) for layer in range(latents.layers)]
+    alpha = np.full((latents.layers, latents.height, latents.width, 1), 255, np.uint8)
+    return np.concatenate([np.stack(layers), alpha], axis=-1)
 
 
 def _variant(latents: Latents, variants: int = 4) -> int:
