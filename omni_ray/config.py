@@ -35,6 +35,7 @@ from omni_ray.qwen_image import (
     check_side,
     template_for,
 )
+from omni_ray.qwen_image_layered import CAPTION_MAX_TOKENS
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -174,6 +175,12 @@ class EncoderConfig(_StageConfig):
         0.9, gt=0, le=1,
         description="Share of its GPU's memory vLLM may claim (vLLM's own setting); at most deployment.num_gpus when "
         "the encoder shares its GPU with other stages.",
+    )
+    caption_max_tokens: PositiveInt = Field(
+        CAPTION_MAX_TOKENS,
+        description="Qwen-Image-Layered: most new tokens of the caption the encoder writes of a request's image when "
+        "its prompt is empty (the pipeline's get_image_caption max_new_tokens, 512); generation is greedy and stops "
+        "earlier at the end of the text.",
     )
 
 

@@ -4,12 +4,14 @@ real sizes on any machine (``runner: simulated`` in a preset; ``stage_configs/qw
 
 Each stands exactly where its real runner stands: ``SimulatedEncoder`` under the encoder's engine core (vLLM's
 ``EngineCore`` interface: add, abort, step), ``SimulatedDenoiser`` and ``SimulatedVae`` under ``EngineCore`` with
-the DiT's and the VAE's schedulers. The VAE's pixels are photo-like (smooth colour fields, texture and noise), so
-that a PNG of them costs what a generated image's costs (docs/benchmarks.md, load tests).
+the DiT's and the VAE's schedulers; ``SimulatedCaptioner`` where Qwen-Image-Layered's captioner stands. The VAE's
+pixels are photo-like (smooth colour fields, texture and noise), so that a PNG of them costs what a generated image's
+costs (docs/benchmarks.md, load tests).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -76,6 +78,38 @@ class SimulatedEncoder:
                   for sequence_id, tokens in batch.items()}
         _wait_until(started + self.costs.encoder_step(sum(batch.values())))
         return hidden
+
+    def shutdown(self) -> None:
+        self.waiting.clear()
+
+
+class SimulatedCaptioner:
+    """Stands for ``VllmCaptioner``: each step writes every queued caption at once, after the simulated time of
+    reading its template and image (the decoding is not simulated). A caption's tokens are a function of the image
+    (its SHA-256's bytes), ``max_tokens`` at most, so a repeated image gets the same caption."""
+
+    def __init__(self, max_tokens: int, costs: GpuCosts | None = None, num_tokens: int = 16):
+        self.num_tokens = min(num_tokens, max_tokens)
+        self.costs = costs or GpuCosts.h200()
+        self.waiting: dict[str, tuple[int, bytes]] = {}  # sequence id -> (prompt tokens, image digest)
+
+    def add(self, sequence_id: str, token_ids: list[int], image: np.ndarray) -> None:
+        tokens = len(token_ids) - 1 + (image.shape[0] // VISION_PATCH) * (image.shape[1] // VISION_PATCH)
+        digest = hashlib.sha256(repr(image.shape).encode() + np.ascontiguousarray(image).tobytes()).digest()
+        self.waiting[sequence_id] = (tokens, digest)
+
+    def abort(self, sequence_ids: list[str]) -> None:
+        for sequence_id in sequence_ids:
+            self.waiting.pop(sequence_id, None)
+
+    def step(self) -> dict[str, list[int]]:
+        started = time.monotonic()
+        batch, self.waiting = self.waiting, {}
+        # Ids from 256 up: ordinary tokens of Qwen2.5-VL's vocabulary, never its special ones (from 151643).
+        captions = {sequence_id: [256 + byte for byte in digest[: self.num_tokens]]
+                    for sequence_id, (_, digest) in batch.items()}
+        _wait_until(started + self.costs.encoder_step(sum(tokens for tokens, _ in batch.values())))
+        return captions
 
     def shutdown(self) -> None:
         self.waiting.clear()
