@@ -129,7 +129,7 @@ class CaptionRequest:
     timing: ClassVar[str] = "caption"
     request_id: str
     image: np.ndarray | None  # uint8 [H, W, 4] (or [H, W, 3]) at its working size, as the pipeline hands it to
-    # Qwen2.5-VL's processor (which reads alpha over white); None while it travels apart (``Stages.caption``)
+    # Qwen2.5-VL's processor (which drops alpha: ``convert("RGB")``); None while it travels apart (``Stages.caption``)
     language: Literal["en", "zh"] = "en"
 
 
