@@ -293,3 +293,38 @@ def reference21(pipe, seed: int, images: list[Image.Image] | None = None, image_
     pixels = pipe(image=images, output_resolution=side, generator=torch.Generator("cpu").manual_seed(seed),
                   output_type="np", **kwargs)
     return (pixels.images[0] * 255).round().astype(np.uint8)
+
+
+def rgba_source(width: int, height: int, seed: int) -> Image.Image:
+    """A photo-like RGBA image whose alpha falls from opaque to a sixth across it, with a transparent corner."""
+    rgb = np.asarray(source_image(width, height, seed))
+    alpha = np.linspace(255, 40, width)[None, :].repeat(height, 0)
+    alpha[: height // 4, : width // 4] = 0
+    return Image.fromarray(np.dstack([rgb, alpha.astype(np.uint8)]), "RGBA")
+
+
+def reference_layers(pipe, image: Image.Image, bucket: int, seed: int, caption_tokens: int, **kwargs):
+    """diffusers' layers (uint8 RGBA arrays, bottom first) and its caption, with the pipeline's resolution bucket
+    standing for the tiny preset's (its calculate_dimensions given the bucket's area) and its caption bounded as
+    the preset bounds ours (get_image_caption's generate given ``caption_tokens`` new tokens at most)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as module
+
+    captions = []
+    original_dimensions, original_caption = module.calculate_dimensions, pipe.get_image_caption
+    generate = pipe.text_encoder.generate
+
+    def bounded_generate(*args, **generate_kwargs):
+        return generate(*args, **{**generate_kwargs, "max_new_tokens": caption_tokens})
+
+    def caption(*args, **caption_kwargs):
+        captions.append(original_caption(*args, **caption_kwargs))
+        return captions[-1]
+
+    module.calculate_dimensions = lambda area, ratio: original_dimensions(bucket * bucket, ratio)
+    pipe.get_image_caption, pipe.text_encoder.generate = caption, bounded_generate
+    try:
+        output = pipe(image=image, generator=torch.Generator().manual_seed(seed), resolution=640, **kwargs)
+    finally:
+        module.calculate_dimensions = original_dimensions
+        pipe.get_image_caption, pipe.text_encoder.generate = original_caption, generate
+    return [np.asarray(layer.convert("RGBA")) for layer in output.images[0]], (captions[0] if captions else None)

@@ -7,14 +7,12 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 from conftest import REPO
-from PIL import Image
 
 from omni_ray.api.images import load_input_images
 from omni_ray.config import load_config
 from omni_ray.pipeline import Pipeline
-from testing.reference import source_image
+from testing.reference import reference_layers, rgba_source
 from testing.serving import file_bytes as png
 
 pytestmark = pytest.mark.vllm
@@ -27,14 +25,6 @@ CASES = {
     "empty prompt, 2 layers, zh caption, CFG on": ("", 2, "blurry", False, "zh"),
 }
 STEPS = 3
-
-
-def rgba_source(width: int, height: int, seed: int) -> Image.Image:
-    """A photo-like RGBA image whose alpha falls from opaque to a sixth across it, with a transparent corner."""
-    rgb = np.asarray(source_image(width, height, seed))
-    alpha = np.linspace(255, 40, width)[None, :].repeat(height, 0)
-    alpha[: height // 4, : width // 4] = 0
-    return Image.fromarray(np.dstack([rgb, alpha.astype(np.uint8)]), "RGBA")
 
 
 @pytest.fixture(scope="module")
@@ -56,33 +46,6 @@ def reference(layered_dir):
     pipe = QwenImageLayeredPipeline.from_pretrained(layered_dir)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def reference_layers(pipe, image: Image.Image, bucket: int, seed: int, caption_tokens: int, **kwargs):
-    """diffusers' layers (uint8 RGBA arrays, bottom first) and its caption, with the pipeline's resolution bucket
-    standing for the tiny preset's (its calculate_dimensions given the bucket's area) and its caption bounded as
-    the preset bounds ours (get_image_caption's generate given ``caption_tokens`` new tokens at most)."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as module
-
-    captions = []
-    original_dimensions, original_caption = module.calculate_dimensions, pipe.get_image_caption
-    generate = pipe.text_encoder.generate
-
-    def bounded_generate(*args, **generate_kwargs):
-        return generate(*args, **{**generate_kwargs, "max_new_tokens": caption_tokens})
-
-    def caption(*args, **caption_kwargs):
-        captions.append(original_caption(*args, **caption_kwargs))
-        return captions[-1]
-
-    module.calculate_dimensions = lambda area, ratio: original_dimensions(bucket * bucket, ratio)
-    pipe.get_image_caption, pipe.text_encoder.generate = caption, bounded_generate
-    try:
-        output = pipe(image=image, generator=torch.Generator().manual_seed(seed), resolution=640, **kwargs)
-    finally:
-        module.calculate_dimensions = original_dimensions
-        pipe.get_image_caption, pipe.text_encoder.generate = original_caption, generate
-    return [np.asarray(layer.convert("RGBA")) for layer in output.images[0]], (captions[0] if captions else None)
 
 
 def test_layers_equal_diffusers_within_one_level_with_and_without_a_prompt(pipeline, config, reference):
