@@ -257,6 +257,7 @@ class CrossEngineCoordinator:
                 [bytes(item) for item in image] if image is not None else None
             inputs = size = controls = masks = None
             if mask is not None:  # a masked edit is prepared at the size the request names
+                check_route(self.config, has_image=files is not None, has_mask=True)  # before any pixel is decoded
                 body = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
                 size = requested_size(body, self.config)
             if control_images is not None or asks_for_control(body):

@@ -12,7 +12,7 @@ from deployments.stage import StageDeployment
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.builders import build_encoder_core
 from omni_ray.engine.stats import EngineStats
-from omni_ray.records import EncodedPrompt, EncodeRequest
+from omni_ray.records import Caption, CaptionRequest, EncodedPrompt, EncodeRequest
 
 
 class Encoder(StageDeployment):
@@ -41,13 +41,21 @@ class Encoder(StageDeployment):
             metrics.prompt_cache_bytes.set(stats.core.prompt_cache.bytes, tags=self.tags)
 
     def stats(self) -> dict:
-        """The engine's counters, the texts it encoded, and its prompt cache's hits, misses, entries and bytes."""
+        """The engine's counters, the texts it encoded, its prompt cache's hits, misses, entries and bytes, and the
+        captions it wrote and had from its caption cache (Qwen-Image-Layered)."""
         core = self.engine.stats.core
         cache = core.prompt_cache
         return {**super().stats(), "encoded": core.encoded,
-                "prompt_cache": dataclasses.asdict(cache) if cache is not None else None}
+                "prompt_cache": dataclasses.asdict(cache) if cache is not None else None,
+                "captioned": core.captioned, "caption_hits": core.caption_hits}
 
     async def encode(self, request: EncodeRequest, *images: np.ndarray) -> EncodedPrompt:
         """``images`` come apart from the request so that Ray resolves the coordinator's references to them."""
         request.images = images
         return await self._run(request, "encoded")
+
+    async def caption(self, request: CaptionRequest, image: np.ndarray) -> Caption:
+        """Qwen-Image-Layered's caption of ``image``, which comes apart from the request (by reference) as
+        ``encode``'s images do."""
+        request.image = image
+        return await self._run(request, "captioned")

@@ -28,7 +28,18 @@ from deployments.ray_private import object_ref, object_ref_stream
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import LoraEntry
 from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageCall, StageLostError
-from omni_ray.records import Decoded, DenoiseParams, EncodeRequest, Finished, Follows, OutputMode, Preview, StepDone
+from omni_ray.records import (
+    Caption,
+    CaptionRequest,
+    Decoded,
+    DenoiseParams,
+    EncodeRequest,
+    Finished,
+    Follows,
+    OutputMode,
+    Preview,
+    StepDone,
+)
 from omni_ray.request_path import DenoiseEvent, Stages
 
 logger = logging.getLogger("ray.serve")
@@ -109,6 +120,18 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
 
     def encode_prompt(self, request: EncodeRequest, images: tuple[ray.ObjectRef, ...]) -> DeploymentResponse:
         return self.encoder.encode.remote(request, *images)
+
+    async def caption(self, request: CaptionRequest, image: ray.ObjectRef) -> Caption:
+        """The encoder's caption; the image travels by reference (the request path sends ``request.image`` None)."""
+        response = self.encoder.caption.remote(request, image)
+        try:
+            return await response
+        except Exception as err:
+            cancel(response)
+            raise stage_error(err, "encoder", StageCall.CAPTION) from None
+        except BaseException:
+            cancel(response)
+            raise
 
     def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None, draw: int = 0,
                      mask: ray.ObjectRef | None = None) -> DeploymentResponse:

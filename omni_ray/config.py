@@ -35,6 +35,7 @@ from omni_ray.qwen_image import (
     check_side,
     template_for,
 )
+from omni_ray.qwen_image_layered import CAPTION_MAX_TOKENS
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -174,6 +175,12 @@ class EncoderConfig(_StageConfig):
         0.9, gt=0, le=1,
         description="Share of its GPU's memory vLLM may claim (vLLM's own setting); at most deployment.num_gpus when "
         "the encoder shares its GPU with other stages.",
+    )
+    caption_max_tokens: PositiveInt = Field(
+        CAPTION_MAX_TOKENS,
+        description="Qwen-Image-Layered: most new tokens of the caption the encoder writes of a request's image when "
+        "its prompt is empty (the pipeline's get_image_caption max_new_tokens, 512); generation is greedy and stops "
+        "earlier at the end of the text.",
     )
 
 
@@ -565,14 +572,17 @@ class PipelineConfig(_Frozen):
         "dummy`. The app builder, the in-process pipeline and `make` write it (omni_ray.checkpoints.ensure); "
         "loading a preset never does.",
     )
-    family: Literal["qwen-image", "qwen-image-2.1"] = Field(
+    family: Literal["qwen-image", "qwen-image-2.1", "qwen-image-layered"] = Field(
         "qwen-image",
         description="The model family the checkpoint belongs to. qwen-image: Qwen-Image, Edit and their releases "
         "(QwenImagePipeline and its edit pipelines; Qwen2.5-VL, the 20 B dual-stream transformer, the 8x VAE). "
         "qwen-image-2.1: Qwen-Image 2.1 (QwenImage21Pipeline; Qwen3-VL, the 7 B single-stream block-causal "
         "transformer whose condition keys and values each request keeps across its steps, the 16x RGBA VAE): it "
         "serves /v1/images/generations, and /v1/images/edits with 1 to edit.max_images condition images when `edit` "
-        "is set (omni_ray/qwen_image21.py).",
+        "is set (omni_ray/qwen_image21.py). qwen-image-layered: Qwen-Image-Layered (QwenImageLayeredPipeline; "
+        "Qwen-Image's architecture with a layer axis in its rotary embedding and an RGBA VAE): it serves "
+        "/v1/images/edits with one input image, decomposed into RGBA layers; `edit` must be set "
+        "(omni_ray/qwen_image_layered.py).",
     )
     sample_sigmas: tuple[Annotated[float, Field(gt=0, le=1)], ...] | None = Field(
         None, min_length=1,
@@ -580,7 +590,7 @@ class PipelineConfig(_Frozen):
         "as the pipeline's sample_sigmas; unset, the checkpoint's model_index.json's, read where the preset is read "
         "(none there: requests.default_steps evenly spaced, as the pipeline without them).",
     )
-    configs: Literal["qwen-image", "qwen-image-edit-2511", "qwen-image-2.1"] = Field(
+    configs: Literal["qwen-image", "qwen-image-edit-2511", "qwen-image-2.1", "qwen-image-layered"] = Field(
         "qwen-image",
         description="The published configs (omni_ray/model_configs/<configs>/) a `build_if_missing: dummy` checkpoint "
         "is written from, and the dry run checks.",
@@ -663,6 +673,11 @@ class PipelineConfig(_Frozen):
             self._check_family_21()
         elif self.sample_sigmas is not None or self.dit.cache_memory_bytes is not None:
             raise ValueError("sample_sigmas and dit.cache_memory_bytes are Qwen-Image 2.1's (family: qwen-image-2.1)")
+        if self.family == "qwen-image-layered":
+            self._check_family_layered()
+        elif self.edit is not None and self.edit.resolutions is not None:
+            raise ValueError("edit.resolutions: resolution buckets are Qwen-Image-Layered's (family: "
+                             "qwen-image-layered)")
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
         check_placement(self)
@@ -709,9 +724,40 @@ class PipelineConfig(_Frozen):
         if self.build_if_missing == "dummy" and self.configs != "qwen-image-2.1":
             raise ValueError("configs: a Qwen-Image 2.1 dummy checkpoint is written from qwen-image-2.1's configs")
 
+    def _check_family_layered(self) -> None:
+        """What a Qwen-Image-Layered preset must have (``edit``: it decomposes one input image) and cannot ask
+        for: Edit-Plus's settings, and what its runners do not have."""
+        from omni_ray import qwen_image_layered
+
+        if self.edit is None:
+            raise ValueError("edit: Qwen-Image-Layered decomposes an input image (it serves /v1/images/edits); set "
+                             "`edit`")
+        if self.edit.plus or self.edit.max_images != 1:
+            raise ValueError("edit.max_images: Qwen-Image-Layered takes one input image, without Edit-Plus (plus: "
+                             "false, max_images: 1)")
+        if self.edit.resolutions is None:
+            raise ValueError("edit.resolutions: Qwen-Image-Layered sizes its input image by resolution bucket; set "
+                             "them (the pipeline's: [640, 1024])")
+        not_yet = {  # what the Qwen-Image runners have and the layered path does not (yet)
+            "controlnets": bool(self.controlnets),
+            "dit.compile": self.dit.compile,  # its warm-up steps plain requests, which a layered replica refuses
+            "dit.quantization": self.dit.quantization != "none",
+            "dit.parallel": self.dit.parallel.world_size > 1, "vae.parallel": self.vae.parallel.world_size > 1,
+            "vae.tiling": self.vae.tiling,
+            "runner": "simulated" in (self.encoder.runner, self.dit.runner, self.vae.runner),
+        }
+        for name, asked in not_yet.items():
+            if asked:
+                raise ValueError(f"{name}: not available for {qwen_image_layered.FAMILY} yet")
+        if self.build_if_missing == "dummy" and self.configs != qwen_image_layered.FAMILY:
+            raise ValueError("configs: a Qwen-Image-Layered dummy checkpoint is written from qwen-image-layered's "
+                             "configs")
+
     @property
     def pipeline(self) -> str:
         """diffusers' pipeline class the checkpoint must be."""
+        if self.family == "qwen-image-layered":
+            return "QwenImageLayeredPipeline"
         if self.family == "qwen-image-2.1":
             return "QwenImage21Pipeline"
         return self.edit.pipeline if self.edit is not None else "QwenImagePipeline"
@@ -835,11 +881,13 @@ def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
         )
     pipeline = json.loads(index.read_text()).get("_class_name")
     expected = config.pipeline
-    if pipeline != expected and "QwenImage21Pipeline" in (pipeline, expected):
-        raise ConfigError(
-            f"{source}: family: {config.family!r}, but model: {config.model!r} is a {pipeline} checkpoint (a "
-            f"{expected} one is needed; family qwen-image-2.1 is for QwenImage21Pipeline checkpoints)"
-        )
+    families = {"QwenImage21Pipeline": "qwen-image-2.1", "QwenImageLayeredPipeline": "qwen-image-layered"}
+    for family_pipeline, family in families.items():
+        if pipeline != expected and family_pipeline in (pipeline, expected):
+            raise ConfigError(
+                f"{source}: family: {config.family!r}, but model: {config.model!r} is a {pipeline} checkpoint (a "
+                f"{expected} one is needed; family {family} is for {family_pipeline} checkpoints)"
+            )
     if config.family == "qwen-image-2.1" and config.edit is not None:
         check_vision_floor(config, source)
     if pipeline != expected:

@@ -94,6 +94,14 @@ class EngineError(OmniRayError):
         return f"{self.stage}: {self.message}" if self.stage else self.message
 
 
+class RefusedError(EngineError):
+    """A stage refused a request before running it: an input its model does not take (an RGB image for an RGBA VAE,
+    say). The request's fault, so a 400; it fails alone."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
 class OverloadedError(EngineError):
     """A stage cannot take the request now (its queue is full, its memory ran out, its replica is gone and retries
     ran out): retry after ``retry_after_s``."""

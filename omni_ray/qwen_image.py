@@ -28,11 +28,12 @@ def image_tokens(height: int, width: int) -> int:
 
 
 def dit_work_tokens(height: int, width: int, text_tokens: int, true_cfg: bool,
-                    image_sizes: tuple[tuple[int, int], ...] = ()) -> int:
-    """Tokens one denoising step of an image pushes through the transformer: its image tokens, an edit's input
-    images' tokens and its text tokens in every pass, two passes with true CFG. The DiT's unit of work
-    (``max_batch_tokens``)."""
-    tokens = image_tokens(height, width) + text_tokens + sum(image_tokens(*size) for size in image_sizes)
+                    image_sizes: tuple[tuple[int, int], ...] = (), layers: int = 0) -> int:
+    """Tokens one denoising step of an image pushes through the transformer: its image tokens (Qwen-Image-Layered's
+    ``layers + 1`` frames of them), an edit's input images' tokens and its text tokens in every pass, two passes with
+    true CFG. The DiT's unit of work (``max_batch_tokens``)."""
+    frames = layers + 1 if layers else 1  # qwen_image_layered.dit_frames
+    tokens = frames * image_tokens(height, width) + text_tokens + sum(image_tokens(*size) for size in image_sizes)
     return tokens * (2 if true_cfg else 1)
 
 

@@ -101,6 +101,12 @@ def dit_frames(layers: int) -> int:
     return layers + 1
 
 
+def decoded_frames(layers: int) -> int:
+    """Images the VAE decodes of latents of ``layers`` layers: each layer (the composite, the first frame, is
+    dropped), or the one image of latents that are not layered (``layers`` 0)."""
+    return layers or 1
+
+
 def schedule_mu(image_tokens: int) -> float:
     """The pipeline's dynamic-shift ``mu``: the square root of the input image's packed tokens over 256 (a 256x256
     image's), not Qwen-Image's linear rule."""

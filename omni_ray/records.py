@@ -133,7 +133,7 @@ class CaptionRequest:
     language: Literal["en", "zh"] = "en"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Caption:
     """The caption's text (special tokens skipped, stripped, as the pipeline decodes it), the tokens generated, and
     whether it came from the encoder's cache (an image captioned before, by its bytes)."""
@@ -141,6 +141,7 @@ class Caption:
     text: str
     token_ids: tuple[int, ...]
     cached: bool = False
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds (the engine's result contract)
 
 
 @dataclass(slots=True)
@@ -253,7 +254,7 @@ class DenoiseRequest:
         """Tokens each of its steps pushes through the transformer (``qwen_image.dit_work_tokens``)."""
         texts = [self.prompt] + ([self.negative] if self.params.true_cfg else [])
         return dit_work_tokens(self.params.height, self.params.width, max(t.num_tokens for t in texts),
-                               self.params.true_cfg, self.image_sizes)
+                               self.params.true_cfg, self.image_sizes, self.params.layers)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import numpy as np
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 from transformers.utils import cached_file
 
-from omni_ray import qwen_image21
+from omni_ray import qwen_image21, qwen_image_layered
 from omni_ray.qwen_image import TEXT_TO_IMAGE, TOKENIZER_MAX_LENGTH, PromptTemplate, VisionPatches
 from omni_ray.records import TokenCount
 
@@ -110,6 +110,31 @@ class Qwen21Tokenizer(PromptTokenizer):
         ``tokenize`` gave them, each ``<|image_pad|>`` widened for the image of ``image_sizes`` it stands for)."""
         ids = self.expand_images(token_ids, [self.image_tokens(*size) for size in image_sizes])
         return np.asarray(ids[self.template.drop :], dtype=np.int64) == self.image_token_id
+
+
+class CaptionTokenizer:
+    """Qwen-Image-Layered's caption side: the caption template's token ids (one ``<|image_pad|>``, which the vision
+    path widens to the image's tokens as Qwen2.5-VL's processor does) and the generated ids back to text, both with
+    the tokenizer of the checkpoint's ``processor/``, which ``get_image_caption`` runs."""
+
+    def __init__(self, model: str):
+        self.tokenizer = Qwen2Tokenizer.from_pretrained(model, subfolder="processor")
+        self._token_ids = {language: self.tokenizer(template).input_ids
+                           for language, template in qwen_image_layered.CAPTION_TEMPLATES.items()}
+
+    def tokenize(self, language: str) -> list[int]:
+        """The template of ``language`` ("en" or "zh") as token ids."""
+        return list(self._token_ids[language])
+
+    @property
+    def max_template_tokens(self) -> int:
+        """The longer template's tokens (its image placeholder one token)."""
+        return max(len(ids) for ids in self._token_ids.values())
+
+    def decode(self, token_ids: list[int] | tuple[int, ...]) -> str:
+        """The caption as the pipeline reads it: special tokens skipped, spaces not cleaned up, stripped."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False).strip()
 
 
 def system_turn_tokens(tokenizer) -> int:

@@ -36,6 +36,17 @@ def edit_plus_dir(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def layered_dir(tmp_path_factory) -> pathlib.Path:
+    """The tiny Qwen-Image-Layered checkpoint (seed 0), written by the command users run:
+    `python -m omni_ray.checkpoints.tiny DIR --layered`."""
+    from omni_ray.checkpoints.tiny import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-layered"
+    main([str(out), "--layered"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny21_dir(tmp_path_factory) -> pathlib.Path:
     """The tiny Qwen-Image 2.1 checkpoint (seed 0), written by the command users run:
     `python -m omni_ray.checkpoints.tiny DIR --qwen-image-2-1`."""

@@ -24,9 +24,13 @@ def test_gpu_dry_run_builds_the_full_size_models_with_the_published_parameter_co
     for name, count in report["params"].items():
         assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, name
     assert list(report["params_by_configs"]) == published_configs() == [
-        "qwen-image", "qwen-image-2.1", "qwen-image-edit-2511"]
+        "qwen-image", "qwen-image-2.1", "qwen-image-edit-2511", "qwen-image-layered"]
     by_configs = report["params_by_configs"]
     assert all(by_configs[name] == report["params"] for name in ("qwen-image", "qwen-image-edit-2511"))
+    # Layered: its "RGB or RGBA" timestep embedding (2 x 3072) and its VAE's fourth channel in and out (96 x 27
+    # weights each way, and a bias)
+    layered = {name: by_configs["qwen-image-layered"][name] - count for name, count in report["params"].items()}
+    assert layered == {"transformer": 2 * 3072, "vae": 2 * 96 * 27 + 1, "text_encoder": 0}
     assert by_configs["qwen-image-2.1"] == qwen_image21.PUBLISHED_PARAMS  # another architecture (test_full_size21)
     assert 20.3e9 < report["params"]["transformer"] < 20.5e9
     placement = report["placement"]

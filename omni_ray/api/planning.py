@@ -98,7 +98,7 @@ class GenerationPlan:
         drop = template_for(self.inputs is not None and self.inputs.conditions).drop  # Edit and Edit-Plus: as many
         text = max(1, self.input_tokens.total // passes - drop)
         image_sizes = self.inputs.condition_sizes if self.inputs is not None else ()
-        return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_sizes)
+        return dit_work_tokens(self.height, self.width, text, self.true_cfg, image_sizes, self.layers)
 
     @property
     def images_per_result(self) -> int:
@@ -477,6 +477,9 @@ def check_route(config: PipelineConfig, has_image: bool, has_mask: bool = False)
     """Raises RequestError (param ``image``, or ``mask``) when a request's modality is not the preset's: an edit
     preset serves /v1/images/edits (images and a prompt, a mask but on Edit-Plus), any other
     /v1/images/generations (a prompt) and, with a mask, /v1/images/edits (diffusers' text-to-image inpainting)."""
+    if has_mask and config.family == qwen_image_layered.FAMILY:
+        raise RequestError(f"mask: {config.name!r} decomposes the whole image into layers; it takes no mask",
+                           param="mask")
     if has_mask and config.family == qwen_image21.FAMILY:
         raise RequestError(f"mask: {config.name!r} is a Qwen-Image 2.1 model, which diffusers defines no masked edit "
                            "for; masks work on Qwen-Image and Qwen-Image-Edit presets", param="mask")

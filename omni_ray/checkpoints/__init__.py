@@ -32,6 +32,10 @@ def ensure(config: PipelineConfig) -> PipelineConfig:
         from omni_ray.checkpoints import tiny21
 
         tiny21.write_checkpoint(model_dir, seed=0, size=config.build_if_missing)
+    elif config.build_if_missing and not model_dir.exists() and config.family == "qwen-image-layered":
+        from omni_ray.checkpoints.tiny import write_checkpoint
+
+        write_checkpoint(model_dir, seed=0, size=config.build_if_missing, layered=True)
     elif config.build_if_missing and not model_dir.exists():
         from omni_ray.checkpoints.tiny import write_checkpoint
 

@@ -6,6 +6,7 @@
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit-plus # Qwen-Image-Edit-2509's: as --edit, Edit-Plus's pipeline
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit-plus --configs qwen-image-edit-2511  # 2511's: zero_cond_t
     python -m omni_ray.checkpoints.dummy OUT_DIR --configs qwen-image-2.1  # Qwen-Image 2.1's (QwenImage21Pipeline)
+    python -m omni_ray.checkpoints.dummy OUT_DIR --configs qwen-image-layered  # Qwen-Image-Layered's, with processor/
 
 The directory is in diffusers' layout with every component's config and no weight file; a preset with
 ``weights: dummy`` builds each stage from it with random weights on its device, in its dtype (the encoder through
@@ -88,10 +89,12 @@ def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = Non
             c["vision_config"].update(depth=layers, fullatt_block_indexes=[layers - 1])))
     tokenizer = qwen_sized_tokenizer()
     tokenizer.save_pretrained(partial / "tokenizer")
-    if edit:
+    layered = pipeline_class(configs) == "QwenImageLayeredPipeline"  # its own index names its processor
+    if edit or layered:
         from omni_ray.checkpoints.tiny import build_processor
 
         build_processor(tokenizer).save_pretrained(partial / "processor")
+    if edit and not layered:
         pipeline = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
         _edit(partial / "model_index.json", lambda c: c.update(
             _class_name=pipeline, processor=["transformers", "Qwen2VLProcessor"]))
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     kind = "Qwen-Image-Edit-2509/2511" if args.edit_plus else "Qwen-Image-Edit" if args.edit else "Qwen-Image"
     if pipeline_class(args.configs) == "QwenImage21Pipeline":
         kind = "Qwen-Image 2.1"
+    elif pipeline_class(args.configs) == "QwenImageLayeredPipeline":
+        kind = "Qwen-Image-Layered"
     print(f"wrote a weightless {kind} ({args.configs} configs) to {out}")
 
 

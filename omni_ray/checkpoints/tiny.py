@@ -1,6 +1,6 @@
 """Write a randomly initialised Qwen-Image (or Qwen-Image-Edit) checkpoint offline, in diffusers' on-disk layout.
 
-    python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit | --edit-plus |
+    python -m omni_ray.checkpoints.tiny OUT_DIR [--seed N] [--size tiny|small] [--edit | --edit-plus | --layered |
                                                                         --qwen-image-2-1]
     python -m omni_ray.checkpoints.tiny OUT_DIR --controlnet --from CHECKPOINT [--seed N] [--layers N]
 
@@ -9,7 +9,11 @@ The folders are the ones ``Qwen/Qwen-Image`` ships (``model_index.json``, ``sche
 loads ``text_encoder/`` as a Qwen2.5-VL model. ``--edit`` writes ``Qwen/Qwen-Image-Edit``'s layout instead: the same
 folders plus ``processor/`` (Qwen2.5-VL's processor, for the vision path), loaded by ``QwenImageEditPipeline``;
 ``--edit-plus`` writes the same files under the pipeline class of ``Qwen/Qwen-Image-Edit-2509`` and 2511,
-``QwenImageEditPlusPipeline``, which takes the same components. Only the sizes are small:
+``QwenImageEditPlusPipeline``, which takes the same components. ``--layered`` writes ``Qwen/Qwen-Image-Layered``'s
+layout (``QwenImageLayeredPipeline``): the edit layout's folders, a transformer with the layer axis in its rotary
+embedding and the "RGB or RGBA" timestep term (``use_layer3d_rope``, ``use_additional_t_cond``), and an RGBA VAE
+(``input_channels`` 4); its text encoder keeps its vision tower, which writes the caption of an image without a
+prompt. Only the sizes are small:
 
 - the tokenizer is a byte-level BPE trained here on a small corpus, so that the dropped prefixes of diffusers'
   prompt templates tokenise to 34 (text to image) and 64 (edit) tokens, as they do with Qwen's own vocabulary;
@@ -42,6 +46,7 @@ from omni_ray.checkpoints.parts import (
     trained_tokenizer,
 )
 from omni_ray.qwen_image import TEMPLATES
+from omni_ray.qwen_image_layered import IMAGE_CHANNELS
 
 TEXT_HIDDEN_SIZE = 64  # two heads of 32
 
@@ -126,7 +131,7 @@ def build_text_encoder(tokenizer, seed: int):
     return randomised(Qwen2_5_VLForConditionalGeneration(config), seed)
 
 
-def build_transformer(size: str, seed: int):
+def build_transformer(size: str, seed: int, layered: bool = False):
     from diffusers import QwenImageTransformer2DModel
 
     num_layers, num_heads = TRANSFORMER_SIZES[size]
@@ -140,11 +145,13 @@ def build_transformer(size: str, seed: int):
         num_attention_heads=num_heads,
         joint_attention_dim=TEXT_HIDDEN_SIZE,
         axes_dims_rope=(8, 12, 12),
+        use_additional_t_cond=layered,
+        use_layer3d_rope=layered,
     )
     return randomised(model, seed + 1)
 
 
-def build_vae(seed: int):
+def build_vae(seed: int, input_channels: int = 3):
     from diffusers import AutoencoderKLQwenImage
 
     stats = torch.Generator().manual_seed(seed + 2)
@@ -159,19 +166,22 @@ def build_vae(seed: int):
         temperal_downsample=[False, True, True],
         latents_mean=[round(x, 4) for x in latents_mean],
         latents_std=[round(x, 4) for x in latents_std],
+        input_channels=input_channels,
     )
     return randomised(model, seed + 3)
 
 
 def write_checkpoint(
-    out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny", edit: bool = False, plus: bool = False
+    out_dir: str | pathlib.Path, seed: int = 0, size: str = "tiny", edit: bool = False, plus: bool = False,
+    layered: bool = False,
 ) -> pathlib.Path:
-    """Writes the checkpoint (an edit one with ``edit``, an Edit-Plus one with ``plus`` as well) to ``out_dir`` and
-    returns its path."""
+    """Writes the checkpoint (an edit one with ``edit``, an Edit-Plus one with ``plus`` as well, a Qwen-Image-Layered
+    one with ``layered``) to ``out_dir`` and returns its path."""
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
         QwenImageEditPipeline,
         QwenImageEditPlusPipeline,
+        QwenImageLayeredPipeline,
         QwenImagePipeline,
     )
 
@@ -179,16 +189,20 @@ def write_checkpoint(
         raise ValueError(f"size must be one of {sorted(TRANSFORMER_SIZES)}, got {size!r}")
     if plus and not edit:
         raise ValueError("plus: an Edit-Plus checkpoint is an edit one; set edit as well")
+    if layered and edit:
+        raise ValueError("layered: a Qwen-Image-Layered checkpoint has its own layout; leave edit unset")
     out = pathlib.Path(out_dir)
     tokenizer = build_tokenizer()
     components = dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-        vae=build_vae(seed),
+        vae=build_vae(seed, input_channels=IMAGE_CHANNELS if layered else 3),
         text_encoder=build_text_encoder(tokenizer, seed),
         tokenizer=tokenizer,
-        transformer=build_transformer(size, seed),
+        transformer=build_transformer(size, seed, layered=layered),
     )
-    if edit:
+    if layered:
+        pipe = QwenImageLayeredPipeline(processor=build_processor(tokenizer), **components)
+    elif edit:
         pipeline = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
         pipe = pipeline(processor=build_processor(tokenizer), **components)
     else:
@@ -253,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     layout.add_argument("--edit-plus", action="store_true",
                         help="write a Qwen-Image-Edit-2509/2511 checkpoint (QwenImageEditPlusPipeline, with "
                         "processor/)")
+    layout.add_argument("--layered", action="store_true",
+                        help="write a Qwen-Image-Layered checkpoint (QwenImageLayeredPipeline: layered RoPE, the "
+                        "RGBA VAE, with processor/)")
     layout.add_argument("--qwen-image-2-1", action="store_true",
                         help="write a Qwen-Image 2.1 checkpoint (QwenImage21Pipeline: Qwen3-VL, the block-causal "
                         "transformer, the 16x RGBA VAE)")
@@ -279,8 +296,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote a {args.size} Qwen-Image 2.1 checkpoint (seed {args.seed}) to {out}")
         return
     edit = args.edit or args.edit_plus
-    out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size, edit=edit, plus=args.edit_plus)
+    out = write_checkpoint(args.out_dir, seed=args.seed, size=args.size, edit=edit, plus=args.edit_plus,
+                           layered=args.layered)
     kind = "Qwen-Image-Edit-2509/2511" if args.edit_plus else "Qwen-Image-Edit" if args.edit else "Qwen-Image"
+    kind = "Qwen-Image-Layered" if args.layered else kind
     print(f"wrote a {args.size} {kind} checkpoint (seed {args.seed}) to {out}")
 
 

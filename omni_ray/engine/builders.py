@@ -7,7 +7,9 @@ import logging
 
 import torch
 
+from omni_ray import qwen_image_layered
 from omni_ray.config import ConfigError, DiTConfig, PipelineConfig, VAEConfig
+from omni_ray.engine.caption_cache import CaptionCache
 from omni_ray.engine.condition_cache import ConditionCacheSize
 from omni_ray.engine.core import DiTEngineCore, EngineCore, ModelRunner
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPolicy
@@ -27,12 +29,13 @@ from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.denoise21 import Denoise21Runner
 from omni_ray.runners.parallel.mesh import Mesh
-from omni_ray.runners.simulated import SimulatedDenoiser, SimulatedEncoder, SimulatedVae
-from omni_ray.runners.transformers_encoder import TransformersEncoder
+from omni_ray.runners.simulated import SimulatedCaptioner, SimulatedDenoiser, SimulatedEncoder, SimulatedVae
+from omni_ray.runners.transformers_encoder import TransformersCaptioner, TransformersEncoder
 from omni_ray.runners.vae import VaeRunner
 from omni_ray.runners.vae21 import VaeRunner21
+from omni_ray.runners.vision import VisionInputs
 from omni_ray.runners.vllm_encoder import VllmEncoder
-from omni_ray.tokenizer import tokenizer_for
+from omni_ray.tokenizer import CaptionTokenizer, tokenizer_for
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +46,25 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
 
     ``family: qwen-image-2.1``: Qwen3-VL, prompt and condition images (up to ``edit.max_images``, at their working
     size) in one sequence, the pre-norm states of its last layer; ``Qwen21Tokenizer``'s raw template, system turn
-    dropped and image slots marked (``PromptEmbeds.image_slots``)."""
+    dropped and image slots marked (``PromptEmbeds.image_slots``).
+
+    ``family: qwen-image-layered``: the encoder also writes captions of images (``CaptionRequest``, up to
+    ``encoder.caption_max_tokens`` new tokens): under vLLM a second, generating engine on the same weights, with the
+    vision tower loaded for it; through transformers ``generate``; simulated, from the image's hash. They are cached
+    by image beside the prompt cache (``CaptionCache``; off with it, ``encoder.cache_bytes: 0``)."""
     stage = config.encoder
     tokenizer = tokenizer_for(config)
+    captions = captions_on(config)
+    captioner = None
     if stage.runner == "simulated":
         encoder = SimulatedEncoder(getattr(torch, stage.dtype), stage.max_num_seqs)
+        if captions:
+            captioner = SimulatedCaptioner(stage.caption_max_tokens)
     elif stage.runner == "transformers":
         encoder = TransformersEncoder(config.model, tokenizer, getattr(torch, stage.dtype), stage.device,
                                       stage.max_num_seqs, dummy=config.weights == "dummy", family=config.family)
+        if captions:
+            captioner = TransformersCaptioner(encoder.model, VisionInputs(config.model), stage.caption_max_tokens)
     else:
         encoder = VllmEncoder(
             config.model,
@@ -59,16 +73,35 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
             max_model_len=stage.max_model_len,
             kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
             max_image_pixels=config.edit.max_vision_pixels if config.edit is not None else None,
-            max_images=config.edit.max_images if config.edit is not None else 0,
+            max_images=config.edit.max_images if config.edit is not None else 1,
             dummy=config.weights == "dummy",
             gpu_memory_utilization=stage.gpu_memory_utilization,
             family=config.family,
+            captions=captions,
+            caption_max_tokens=stage.caption_max_tokens,
+            caption_image_pixels=CAPTION_IMAGE_PIXELS,
         )
-    cache = None
+        captioner = encoder.captioner
+    cache = caption_cache = None
+    checkpoint = f"{config.model}:{config.weights}:{stage.runner}"
     if stage.cache_bytes:
-        checkpoint = f"{config.model}:{config.weights}:{stage.runner}"
         cache = PromptCache(stage.cache_bytes, checkpoint, tokenizer.template.key)
-    return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache)
+        if captions:
+            caption_cache = CaptionCache(checkpoint, stage.caption_max_tokens)
+    caption_tokenizer = CaptionTokenizer(config.model) if captions else None
+    return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache, captioner, caption_tokenizer,
+                             caption_cache)
+
+
+# Captions read the input image at its working size: about the largest resolution bucket's area, at any aspect ratio.
+# Twice that area bounds Qwen2.5-VL's processor (``max_pixels``) without ever binding, so the caption reads the image
+# the pipeline's processor reads, and sizes vLLM's budget for one caption image.
+CAPTION_IMAGE_PIXELS = 2 * max(qwen_image_layered.RESOLUTIONS) ** 2
+
+
+def captions_on(config: PipelineConfig) -> bool:
+    """Whether the preset's encoder writes captions: Qwen-Image-Layered's (an empty prompt is the image's caption)."""
+    return getattr(config, "family", None) == qwen_image_layered.FAMILY
 
 
 def create_policy(stage: DiTConfig) -> SchedulingPolicy:

@@ -28,6 +28,8 @@ class EncoderStats:
 
     encoded: int  # sequences the encoder ran (texts not served from the cache)
     prompt_cache: PromptCacheStats | None  # None when the cache is off
+    captioned: int = 0  # Qwen-Image-Layered: captions the captioner wrote (not served from the cache)
+    caption_hits: int = 0  # captions served from the caption cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,12 @@ An inpainting ControlNet (``QwenImageControlNetInpaintPipeline``, InstantX's Qwe
 ``extra_condition_channels`` are the packed mask channel's 4) runs the same way on 68-channel control latents (the
 masked control image's sample and the control mask: ``runners.vae``), beside plain ones, each controlnet batched over
 its own rows. That pipeline is a controlnet-guided text-to-image: no latents are blended back.
+
+Qwen-Image-Layered (``QwenImageLayeredPipeline``; a transformer with ``use_layer3d_rope`` and
+``use_additional_t_cond``) runs as an edit with one input image at the output's size whose request denoises
+``params.layers + 1`` frames (``denoise_state``); its true CFG rescales only with ``params.cfg_normalize`` (the
+pipeline's ``cfg_normalize``). A replica of it takes layered requests only, and only from it does a request with
+``layers`` step.
 """
 
 from __future__ import annotations
@@ -162,6 +168,7 @@ class DenoiseRunner(SteppingRunner):
         check_side("width", params.width)
         self.check_lora(params)
         self.check_controls(params, images, controls)
+        self.check_layers(params, images)
         return prepare_state(
             params, prompt, negative, images, start, controls, scheduler_config=self.scheduler_config,
             channels=self.num_channels_latents, device=self.device, dtype=self.dtype,
@@ -198,6 +205,36 @@ class DenoiseRunner(SteppingRunner):
                                  f"{latents.width}x{latents.height}, not {(tokens, channels)} for the output's "
                                  f"{params.width}x{params.height}")
 
+    @property
+    def is_layered(self) -> bool:
+        """Whether the transformer is Qwen-Image-Layered's (its rotary embedding numbers frames by layer)."""
+        return bool(self.transformer.config.get("use_layer3d_rope", False))
+
+    def check_layers(self, params: DenoiseParams, images: tuple[Latents, ...]) -> None:
+        """Raises ValueError naming the field unless a request with ``layers`` comes to a Qwen-Image-Layered
+        transformer with its one input image's latents at the output's size and no masked edit, and a request
+        without comes to any other transformer."""
+        if not params.layers:
+            if self.is_layered:
+                raise ValueError("layers: this replica serves Qwen-Image-Layered, which decomposes an image into "
+                                 "layers; a request must set them")
+            return
+        if not self.is_layered:
+            raise ValueError(f"layers: {params.layers} asked of a replica whose transformer is not "
+                             "Qwen-Image-Layered's")
+        if params.inpaint is not None:
+            raise ValueError("inpaint: Qwen-Image-Layered decomposes its input image whole; it has no masked edit")
+        rows, cols = latent_grid(params.height, params.width)
+        tokens = (rows // 2) * (cols // 2)
+        if len(images) != 1 or images[0].layers or (images[0].height, images[0].width) != (params.height,
+                                                                                            params.width):
+            sizes = ", ".join(f"{i.width}x{i.height}" for i in images) or "none"
+            raise ValueError(f"image: Qwen-Image-Layered takes one input image at the output's "
+                             f"{params.width}x{params.height}; given {sizes}")
+        if tuple(images[0].latents.shape) != (tokens, self.transformer.config.in_channels):
+            raise ValueError(f"image: its latents are {tuple(images[0].latents.shape)}, not "
+                             f"{(tokens, self.transformer.config.in_channels)} for {params.width}x{params.height}")
+
     @torch.inference_mode()
     def step(self, states: list[DenoiseState], split: str = "sequence") -> None:
         """Advances every state by one denoising step. The states must share a batch key. In a gang, ``split``
@@ -209,7 +246,8 @@ class DenoiseRunner(SteppingRunner):
         for row, state in enumerate(states):
             pred = cond[row : row + 1, :num_tokens]
             if cfg:
-                pred = guide(pred, uncond[row : row + 1, :num_tokens], state.params.true_cfg_scale)
+                pred = guide(pred, uncond[row : row + 1, :num_tokens], state.params.true_cfg_scale,
+                             state.params.cfg_normalize)
             state.advance(pred, caches[row :: len(states)])
 
     def predict(
@@ -360,7 +398,8 @@ class DenoiseRunner(SteppingRunner):
         else:
             passes = {"computed": state.progress[1] * (2 if state.params.true_cfg else 1), "reused": 0}
         return Latents(
-            to_host(state.latents[0]), state.params.height, state.params.width, dit_passes=passes
+            to_host(state.latents[0]), state.params.height, state.params.width, layers=state.params.layers,
+            dit_passes=passes,
         )
 
 
@@ -418,9 +457,12 @@ def compile_blocks(transformer: QwenImageTransformer2DModel) -> None:
     transformer.compile_repeated_blocks(dynamic=True)
 
 
-def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """True CFG with Qwen-Image's rescale: the guided prediction keeps the conditional one's per-token norm."""
+def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float, normalize: bool = True) -> torch.Tensor:
+    """True CFG with Qwen-Image's rescale: the guided prediction keeps the conditional one's per-token norm
+    (without ``normalize``, Qwen-Image-Layered's ``cfg_normalize=False``, the guided prediction as it is)."""
     combined = uncond + scale * (cond - uncond)
+    if not normalize:
+        return combined
     return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
 

@@ -6,6 +6,12 @@ the request's seed in the unpacked shape, the dynamic-shift flow-match schedule,
 level; with ControlNets (``QwenImageControlNetPipeline``), the control images' latents, whose samples the pipeline's
 generator drew before the noise. ``DenoiseState.advance`` is the loop body after the transformer: the Euler update,
 a masked edit's blend, the step's preview.
+
+Qwen-Image-Layered (``QwenImageLayeredPipeline``, ``params.layers`` > 0) denoises ``layers + 1`` frames at the
+output's size, drawn together and packed frame after frame; its input image's latents ride behind them as an edit's
+do, numbered -1 on the rotary layer axis (the frames 0 to ``layers``); its schedule's sigmas run
+``linspace(1, 0, steps + 1)[:-1]`` with its own ``mu`` (``qwen_image_layered.schedule_mu`` of the input image's
+tokens).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from omni_ray.qwen_image import SIZE_MULTIPLE, latent_grid
+from omni_ray.qwen_image_layered import dit_frames, schedule_mu
 from omni_ray.records import BatchKey, DenoiseParams, Latents, PromptEmbeds
 from omni_ray.runners.dit_cache import BranchCache
 from omni_ray.runners.packing import pack_latents
@@ -57,7 +64,8 @@ class DenoiseState:
     """One request's denoising progress; the runner advances it, the engine owns it."""
 
     params: DenoiseParams
-    latents: torch.Tensor  # [1, image_seq_len, in_channels], on the stage's device
+    latents: torch.Tensor  # [1, image_seq_len, in_channels], on the stage's device (Qwen-Image-Layered: its frames'
+    # tokens one after another)
     scheduler: FlowMatchEulerDiscreteScheduler  # private to this request: timesteps, sigmas
     prompt: torch.Tensor  # [num_tokens, hidden], on the stage's device
     negative: torch.Tensor | None  # [num_neg_tokens, hidden], set when true CFG runs
@@ -138,8 +146,9 @@ def prepare_state(
     step's level. ``controls`` are ``params.controls``' control images' latents, in order (checked by the runner)."""
     # 1. The noise, packed, on the stage's device.
     latents = pack_latents(draw_noise(params, channels, dtype)).to(device)
-    # 2. The request's own schedule, started at its first step.
-    scheduler = request_scheduler(params, scheduler_config, latents.shape[1], device)
+    # 2. The request's own schedule, started at its first step (Qwen-Image-Layered's shift reads its input image).
+    shift_tokens = images[0].latents.shape[0] if params.layers else latents.shape[1]
+    scheduler = request_scheduler(params, scheduler_config, shift_tokens, device)
     # 3. A masked edit: its start image noised to the first step's level.
     inpaint = None
     if params.inpaint is not None:
@@ -149,7 +158,7 @@ def prepare_state(
     # 4. What rides beside the latents in every forward: the prompts, an edit's images and their rotary shapes.
     do_true_cfg = params.true_cfg
     rows, cols = latent_grid(params.height, params.width)
-    img_shapes = [(1, rows // 2, cols // 2)]
+    img_shapes = [(1, rows // 2, cols // 2)] * frames(params)
     img_shapes += [(1, image.height // SIZE_MULTIPLE, image.width // SIZE_MULTIPLE) for image in images]
     image = torch.cat([image.latents for image in images]).to(device, dtype) if images else None
     return DenoiseState(
@@ -168,35 +177,41 @@ def prepare_state(
     )
 
 
+def frames(params: DenoiseParams) -> int:
+    """The frames a request denoises: one image, or Qwen-Image-Layered's composite and layers."""
+    return dit_frames(params.layers) if params.layers else 1
+
+
 def draw_noise(params: DenoiseParams, channels: int, dtype: torch.dtype) -> torch.Tensor:
-    """The request's noise ``[1, 1, channels, rows, cols]``, drawn on the CPU in diffusers' unpacked shape, so the
-    same seed gives the same image on any device. Draws the pipelines make from the same generator before the noise
-    are skipped: a masked edit's start image's sample, and each control image's (``QwenImageControlNetPipeline``
-    encodes them in order, ``retrieve_latents`` drawing ``mean + std * randn`` of the latents' shape
-    ``[1, channels, 1, rows, cols]`` from its generator, before ``prepare_latents``). An inpainting ControlNet's
-    control image is not among them: ``QwenImageControlNetInpaintPipeline`` samples it from torch's global generator,
-    leaving the pipeline's own to the noise (``Control.mask``)."""
+    """The request's noise ``[1, frames, channels, rows, cols]`` (``frames``), drawn on the CPU in diffusers'
+    unpacked shape, so the same seed gives the same image on any device. Draws the pipelines make from the same
+    generator before the noise are skipped: a masked edit's start image's sample, and each control image's
+    (``QwenImageControlNetPipeline`` encodes them in order, ``retrieve_latents`` drawing ``mean + std * randn`` of the
+    latents' shape ``[1, channels, 1, rows, cols]`` from its generator, before ``prepare_latents``). An inpainting
+    ControlNet's control image is not among them: ``QwenImageControlNetInpaintPipeline`` samples it from torch's
+    global generator, leaving the pipeline's own to the noise (``Control.mask``)."""
     rows, cols = latent_grid(params.height, params.width)
     generator = torch.Generator("cpu").manual_seed(params.seed)
     earlier = sum(not control.mask for control in params.controls) + (params.inpaint is not None)
     for _ in range(earlier):  # the VAE drew these samples from this seed's generator first
         torch.randn((1, channels, 1, rows, cols), generator=generator, dtype=dtype)
-    return torch.randn((1, 1, channels, rows, cols), generator=generator, dtype=dtype)
+    return torch.randn((1, frames(params), channels, rows, cols), generator=generator, dtype=dtype)
 
 
 def request_scheduler(
     params: DenoiseParams, scheduler_config: dict, image_seq_len: int, device: torch.device
 ) -> FlowMatchEulerDiscreteScheduler:
     """The request's flow-match scheduler: the checkpoint's config under the request's settings, diffusers' sigmas
-    and dynamic shift, begun at ``params.first_step``."""
+    and dynamic shift, begun at ``params.first_step``. ``image_seq_len`` is the tokens the shift reads: the output's
+    (Qwen-Image-Layered: its input image's, under its own rule)."""
     steps = params.num_inference_steps
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         {**scheduler_config, **dict(params.scheduler)}, **one_step_overrides(steps))
-    scheduler.set_timesteps(
-        sigmas=np.linspace(1.0, 1 / steps, steps),
-        device=device,
-        mu=calculate_shift(image_seq_len, scheduler.config),
-    )
+    if params.layers:  # QwenImageLayeredPipeline's own sigmas and mu
+        sigmas, mu = np.linspace(1.0, 0, steps + 1)[:-1], schedule_mu(image_seq_len)
+    else:
+        sigmas, mu = np.linspace(1.0, 1 / steps, steps), calculate_shift(image_seq_len, scheduler.config)
+    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
     scheduler.set_begin_index(params.first_step)
     return scheduler
 

@@ -218,7 +218,9 @@ def _cached_forward(transformer, latents, timestep, embeds, mask, img_shapes, ca
 def _block_inputs(t: QwenImageTransformer2DModel, latents, timestep, embeds, mask, img_shapes, lora
                   ) -> tuple[_Rows, RealRope]:
     """Every row's input to the first block, and the rotary tables: the image and text projections, the timestep
-    embedding (with zero_cond_t, an edit image's tokens conditioned on timestep 0) and the text mask."""
+    embedding (with zero_cond_t, an edit image's tokens conditioned on timestep 0; with use_additional_t_cond,
+    Qwen-Image-Layered's, its "RGB" term added) and the text mask. With use_layer3d_rope the rotary tables number
+    the frames (``img_shapes``' entries) by layer, the last, the input image, at -1."""
     hidden = t.img_in(latents)
     timestep = timestep.to(hidden.dtype)
     modulate_index = None
@@ -230,7 +232,10 @@ def _block_inputs(t: QwenImageTransformer2DModel, latents, timestep, embeds, mas
         )
     encoder = t.txt_in(t.txt_norm(embeds))
     text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, mask)
-    temb = t.time_text_embed(timestep, hidden)
+    additional = None
+    if t.time_text_embed.use_additional_t_cond:  # Qwen-Image-Layered: 0 ("RGB") for every row, as its pipeline
+        additional = torch.zeros(timestep.shape[0], dtype=torch.long, device=timestep.device)
+    temb = t.time_text_embed(timestep, hidden, additional)
     rope = RealRope.of(t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device))
     return _Rows(hidden, encoder, mask, temb, modulate_index, lora), rope
 

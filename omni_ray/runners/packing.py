@@ -10,10 +10,11 @@ from omni_ray.qwen_image import latent_grid
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, C, H, W]`` -> ``[B, (H/2)*(W/2), C*4]``: 2x2 patches as tokens."""
-    b, _, c, h, w = latents.shape
-    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+    """``[B, F, C, H, W]`` -> ``[B, F*(H/2)*(W/2), C*4]``: 2x2 patches as tokens, frame after frame (one frame but
+    for Qwen-Image-Layered's ``layers + 1``, as its pipeline's ``_pack_latents`` packs them)."""
+    b, f, c, h, w = latents.shape
+    latents = latents.view(b, f, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4, 6)
+    return latents.reshape(b, f * (h // 2) * (w // 2), c * 4)
 
 
 def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

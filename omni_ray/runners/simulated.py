@@ -4,12 +4,14 @@ real sizes on any machine (``runner: simulated`` in a preset; ``stage_configs/qw
 
 Each stands exactly where its real runner stands: ``SimulatedEncoder`` under the encoder's engine core (vLLM's
 ``EngineCore`` interface: add, abort, step), ``SimulatedDenoiser`` and ``SimulatedVae`` under ``EngineCore`` with
-the DiT's and the VAE's schedulers. The VAE's pixels are photo-like (smooth colour fields, texture and noise), so
-that a PNG of them costs what a generated image's costs (docs/benchmarks.md, load tests).
+the DiT's and the VAE's schedulers; ``SimulatedCaptioner`` where Qwen-Image-Layered's captioner stands. The VAE's
+pixels are photo-like (smooth colour fields, texture and noise), so that a PNG of them costs what a generated image's
+costs (docs/benchmarks.md, load tests).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,6 +22,7 @@ import torch
 
 from omni_ray.errors import request_failure
 from omni_ray.qwen_image import LATENT_CHANNELS, TEXT_HIDDEN, VISION_PATCH, check_side, image_tokens
+from omni_ray.qwen_image_layered import decoded_frames
 from omni_ray.records import (
     Decoded,
     DenoiseBatch,
@@ -75,6 +78,38 @@ class SimulatedEncoder:
                   for sequence_id, tokens in batch.items()}
         _wait_until(started + self.costs.encoder_step(sum(batch.values())))
         return hidden
+
+    def shutdown(self) -> None:
+        self.waiting.clear()
+
+
+class SimulatedCaptioner:
+    """Stands for ``VllmCaptioner``: each step writes every queued caption at once, after the simulated time of
+    reading its template and image (the decoding is not simulated). A caption's tokens are a function of the image
+    (its SHA-256's bytes), ``max_tokens`` at most, so a repeated image gets the same caption."""
+
+    def __init__(self, max_tokens: int, costs: GpuCosts | None = None, num_tokens: int = 16):
+        self.num_tokens = min(num_tokens, max_tokens)
+        self.costs = costs or GpuCosts.h200()
+        self.waiting: dict[str, tuple[int, bytes]] = {}  # sequence id -> (prompt tokens, image digest)
+
+    def add(self, sequence_id: str, token_ids: list[int], image: np.ndarray) -> None:
+        tokens = len(token_ids) - 1 + (image.shape[0] // VISION_PATCH) * (image.shape[1] // VISION_PATCH)
+        digest = hashlib.sha256(repr(image.shape).encode() + np.ascontiguousarray(image).tobytes()).digest()
+        self.waiting[sequence_id] = (tokens, digest)
+
+    def abort(self, sequence_ids: list[str]) -> None:
+        for sequence_id in sequence_ids:
+            self.waiting.pop(sequence_id, None)
+
+    def step(self) -> dict[str, list[int]]:
+        started = time.monotonic()
+        batch, self.waiting = self.waiting, {}
+        # Ids from 256 up: ordinary tokens of Qwen2.5-VL's vocabulary, never its special ones (from 151643).
+        captions = {sequence_id: [256 + byte for byte in digest[: self.num_tokens]]
+                    for sequence_id, (_, digest) in batch.items()}
+        _wait_until(started + self.costs.encoder_step(sum(tokens for tokens, _ in batch.values())))
+        return captions
 
     def shutdown(self) -> None:
         self.waiting.clear()
@@ -164,7 +199,8 @@ class SimulatedDenoiser:
 
 class SimulatedVae:
     """Stands for ``VaeRunner`` under the VAE's scheduler: a batch takes the simulated time of its pixels; decoding
-    gives photo-like uint8 ``[H, W, 3]`` pixels, encoding an edit's image gives zero latents ``[tokens, 64]``."""
+    gives photo-like uint8 ``[H, W, 3]`` pixels (Qwen-Image-Layered's layered latents: ``[layers, H, W, 4]``, each
+    layer opaque), encoding an edit's image gives zero latents ``[tokens, 64]``."""
 
     def __init__(self, dtype: torch.dtype, costs: GpuCosts | None = None):
         self.dtype = dtype
@@ -186,8 +222,8 @@ class SimulatedVae:
                 latents = request.latents
                 image = None
                 if request.output != "latents":
-                    image = photo_like(latents.height, latents.width, _variant(latents)).copy()
-                    pixels += latents.height * latents.width
+                    image = _pixels(latents)
+                    pixels += decoded_frames(latents.layers) * latents.height * latents.width
                 output.finished[request.request_id] = Decoded(
                     pixels=image, latents=latents if request.output != "pixels" else None,
                     dit_passes=latents.dit_passes,
@@ -196,6 +232,16 @@ class SimulatedVae:
                 output.errors[request.request_id] = request_failure(err)
         _wait_until(started + self.costs.vae_step(pixels))
         return output
+
+
+def _pixels(latents: Latents) -> np.ndarray:
+    """A decode's pixels: a photo-like image, or for layered latents that many photo-like RGBA layers."""
+    variant = _variant(latents)
+    if not latents.layers:
+        return photo_like(latents.height, latents.width, variant).copy()
+    layers = [photo_like(latents.height, latents.width, (variant + layer) % 4) for layer in range(latents.layers)]
+    alpha = np.full((latents.layers, latents.height, latents.width, 1), 255, np.uint8)
+    return np.concatenate([np.stack(layers), alpha], axis=-1)
 
 
 def _variant(latents: Latents, variants: int = 4) -> int:

@@ -83,7 +83,7 @@ class SteppingRunner:
             output.progress[request_id] = state.progress
             if state.preview is not None:
                 output.previews[request_id] = Latents(to_host(state.preview[0]), state.params.height,
-                                                      state.params.width)
+                                                      state.params.width, layers=state.params.layers)
                 state.preview = None
             if state.is_finished:
                 output.finished[request_id] = self.finish(self.states.pop(request_id))

@@ -109,3 +109,48 @@ def last_hidden_states(model, token_ids: list[list[int]], pad_token_id: int,
                 **vision)
     hidden = out.hidden_states[-1]
     return [hidden[row, : len(ids)] for row, ids in enumerate(token_ids)]
+
+
+class TransformersCaptioner:
+    """Qwen-Image-Layered's captions with transformers' ``generate`` on the encoder's Qwen2.5-VL (``model``, shared
+    with ``TransformersEncoder``): greedy (``do_sample=False``; the checkpoint's repetition penalty, as the pipeline's
+    ``generate`` applies it), at most ``max_tokens`` new tokens. Each step writes the oldest caption whole, so a
+    caption holds the encoder's thread for its whole generation: this is the slow path where vLLM has no build."""
+
+    def __init__(self, model, vision: VisionInputs, max_tokens: int):
+        self.model = model
+        self.vision = vision
+        self.max_tokens = max_tokens
+        self.waiting: OrderedDict[str, tuple[list[int], np.ndarray]] = OrderedDict()
+
+    def add(self, sequence_id: str, token_ids: list[int], image: np.ndarray) -> None:
+        self.waiting[sequence_id] = (token_ids, image)
+
+    def abort(self, sequence_ids: list[str]) -> None:
+        for sequence_id in sequence_ids:
+            self.waiting.pop(sequence_id, None)
+
+    @torch.no_grad()
+    def step(self) -> dict[str, list[int]]:
+        if not self.waiting:
+            return {}
+        from omni_ray.runners.vllm_captioner import caption_view
+
+        sequence_id, (token_ids, image) = self.waiting.popitem(last=False)
+        device = self.model.device
+        inputs = dict(self.vision.processor(images=[caption_view(image)], return_tensors="pt"))
+        (count,) = self.vision.tokens(inputs)
+        image_token = self.model.config.image_token_id
+        ids = [t for token in token_ids for t in ([token] * count if token == image_token else [token])]
+        input_ids = torch.tensor([ids], device=device)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+            pixel_values=inputs["pixel_values"].to(device, self.model.dtype),
+            image_grid_thw=inputs["image_grid_thw"].to(device),
+            mm_token_type_ids=(input_ids == image_token).long(),  # the processor's: M-RoPE's 2D positions
+            max_new_tokens=self.max_tokens, do_sample=False,
+        )
+        return {sequence_id: out[0, len(ids):].tolist()}
+
+    def shutdown(self) -> None:
+        self.waiting.clear()

@@ -10,6 +10,14 @@ and on the tiny and full-size VAEs one whose pixels did not depend on the batch 
 VAE 16 channels wide differed by one level in 4 pixels of 16,384 between a batch of one and of two); on CUDA the
 layout cuDNN's fastest convolutions take, with its autotuner on.
 
+Qwen-Image-Layered's VAE reads and writes RGBA (``input_channels`` 4) and its latents are layered
+(``Latents.layers``): ``QwenImageLayeredPipeline`` drops the first of the ``layers + 1`` frames (the composite) and
+decodes each layer as a one-frame video of its own, so here each layer is one more frame of the batch, beside other
+requests' frames and images of the same size (the VAE scheduler counts frames against ``max_batch_size``), and a
+request's pixels are its layers ``[layers, H, W, 4]``, bottom to top. Its input image (RGBA, at its working size)
+encodes as every edit's image does, to one frame. ``refuse`` turns away images of other channels than the VAE's and
+layered latents that are not (or not for) an RGBA VAE's.
+
 With ``tiling``, the decoder's up path runs on bands of ``TILE_ROWS`` latent rows one after another, each with the
 rows of context its convolutions reach (``FrameDecoder.decode_rows``): the same pixels as the whole-frame decode, in
 a fraction of its activation memory, for large frames on small cards.
@@ -28,8 +36,10 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 
-from omni_ray.errors import request_failure
-from omni_ray.qwen_image import SIZE_MULTIPLE, VAE_COMPRESSION
+from omni_ray.errors import RefusedError, request_failure
+from omni_ray.qwen_image import SIZE_MULTIPLE, VAE_COMPRESSION, image_tokens
+from omni_ray.qwen_image_layered import IMAGE_CHANNELS as RGBA
+from omni_ray.qwen_image_layered import decoded_frames, dit_frames
 from omni_ray.records import Decoded, ImageEncodeRequest, Latents, VaeBatch, VaeOutput, VaeRequest
 from omni_ray.runners.host import to_host
 from omni_ray.runners.packing import pack_latents, unpack_latents
@@ -54,7 +64,8 @@ class BatchedVae:
     comm = Mesh.single().world
 
     def refuse(self, request: VaeRequest) -> None:
-        """Raises ValueError for a request this runner cannot run; it then fails alone, before the batch's call."""
+        """Raises ValueError for a request this runner cannot run; it then fails alone, before the batch's call,
+        with a 400 (``RefusedError``)."""
 
     def execute_model(self, batch: VaeBatch) -> VaeOutput:
         """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
@@ -66,7 +77,7 @@ class BatchedVae:
                 self.refuse(request)
                 requests.append(request)
             except ValueError as err:
-                output.errors[request.request_id] = request_failure(err)
+                output.errors[request.request_id] = RefusedError(str(err))
         if not requests:
             return output
         try:
@@ -92,7 +103,8 @@ class BatchedVae:
                                   [r.mask for r in requests])
             return dict(zip((r.request_id for r in requests), encoded))
         to_decode = [request for request in requests if request.output != "latents"]
-        pixels = self.decode([request.latents for request in to_decode]) if to_decode else []
+        latents = [request.latents for request in to_decode]
+        pixels = per_item(self.decode(latents), latents) if to_decode else []
         by_id = {request.request_id: image for request, image in zip(to_decode, pixels)}
         return {
             request.request_id: Decoded(
@@ -104,13 +116,30 @@ class BatchedVae:
         }
 
 
+def per_item(frames: np.ndarray, items: list[Latents]) -> list[np.ndarray]:
+    """Each item's pixels from a decode's frames ``[frames, H, W, C]``, the items' frames in order
+    (``qwen_image_layered.decoded_frames`` each): a plain item's image ``[H, W, C]``, a layered item's layers
+    ``[layers, H, W, C]``."""
+    pixels, start = [], 0
+    for item in items:
+        count = decoded_frames(item.layers)
+        pixels.append(frames[start:start + count] if item.layers else frames[start])
+        start += count
+    assert start == len(frames), f"{len(frames)} frames decoded for {start}"
+    return pixels
+
+
 class VaeRunner(BatchedVae):
     """Holds the VAE; decodes batches of same-size latents and encodes batches of same-size images (on one rank of
-    a gang: ``mesh``)."""
+    a gang: ``mesh``). Its images are RGB, or RGBA with Qwen-Image-Layered's VAE (``input_channels`` 4), which
+    also decodes layered latents (``Latents.layers``): each layer a one-frame image, the composite dropped."""
 
     def __init__(self, vae: AutoencoderKLQwenImage, tiling: bool = False, mesh: Mesh | None = None):
         if 2 ** len(vae.temperal_downsample) != VAE_COMPRESSION:
             raise ValueError(f"not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
+        self.channels = vae.config.input_channels  # 3, or Qwen-Image-Layered's RGBA 4
+        if self.channels not in (3, RGBA):
+            raise ValueError(f"not Qwen-Image's VAE (it reads {self.channels} image channels, not 3 or {RGBA})")
         self.device, self.dtype = vae.device, vae.dtype
         self.band_rows = TILE_ROWS if tiling else None
         self.comm = (mesh or Mesh.single()).world  # the ranks a decode's rows are split over
@@ -134,17 +163,50 @@ class VaeRunner(BatchedVae):
         vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device)
         return cls(vae, tiling, mesh)
 
+    def refuse(self, request: VaeRequest) -> None:
+        """An image of other channels than the VAE's; layered latents to an RGB VAE, or whose rows are not their
+        frames' tokens."""
+        if isinstance(request, ImageEncodeRequest):
+            image = request.image
+            if image.ndim != 3 or image.shape[2] != self.channels:
+                kind = "RGBA" if self.channels == RGBA else "RGB"
+                raise ValueError(f"image: this model's VAE encodes {kind} images, uint8 [H, W, {self.channels}], not "
+                                 f"{image.dtype} {list(image.shape)}")
+            return
+        latents = request.latents
+        if latents.layers < 0:
+            raise ValueError(f"latents: layers is {latents.layers}, not 0 or more")
+        if latents.layers and self.channels != RGBA:
+            raise ValueError(f"latents: {latents.layers} layers (Qwen-Image-Layered's), but this model's VAE decodes "
+                             "RGB images, not RGBA layers")
+        tokens = image_tokens(latents.height, latents.width)
+        if latents.layers and latents.latents.shape[0] != dit_frames(latents.layers) * tokens:
+            raise ValueError(f"latents: {latents.latents.shape[0]} rows are not {dit_frames(latents.layers)} frames "
+                             f"(the composite and {latents.layers} layers) of {tokens} tokens, a "
+                             f"{latents.width}x{latents.height} image's")
+
     def decode(self, batch: list[Latents]) -> np.ndarray:
-        """Decodes same-size latents in one VAE call; returns uint8 pixels ``[B, H, W, 3]``."""
+        """Decodes same-size latents in one VAE call; returns uint8 pixels ``[frames, H, W, C]`` (C: 3, or 4 for
+        RGBA): each item's frames in order, one per plain item and a layered item's layers, bottom to top
+        (``per_item`` splits them)."""
         return to_host(self._decode(batch)).numpy()
+
+    @staticmethod
+    def _frames(item: Latents) -> torch.Tensor:
+        """The packed frames an item decodes to, ``[frames, tokens, 64]``: its image, or a layered item's layers
+        (its frames lie one after another, the composite first, which the pipeline drops)."""
+        frames = item.latents.reshape(dit_frames(item.layers), -1, item.latents.shape[-1])
+        return frames[1:] if item.layers else frames
 
     @torch.inference_mode()
     def _decode(self, batch: list[Latents]) -> torch.Tensor:
-        """uint8 ``[B, H, W, 3]`` on the device: a quarter of float32's bytes to copy to the host."""
+        """uint8 ``[frames, H, W, C]`` on the device: a quarter of float32's bytes to copy to the host. Every frame
+        decodes as a one-frame video, as ``QwenImageLayeredPipeline`` decodes each layer, so a batch's frames are
+        one batch of the 2-D decoder whether they are images or layers."""
         height, width = batch[0].height, batch[0].width
         assert all((item.height, item.width) == (height, width) for item in batch), "mixed sizes in one decode"
-        packed = torch.stack([item.latents for item in batch]).to(self.device)
-        latents = unpack_latents(packed, height, width)[:, :, 0].to(self.dtype)  # one frame: [B, z_dim, h, w]
+        packed = torch.cat([self._frames(item) for item in batch]).to(self.device)
+        latents = unpack_latents(packed, height, width)[:, :, 0].to(self.dtype)  # one frame: [frames, z_dim, h, w]
         mean, inverse_std = self.latents_mean.to(self.dtype), 1.0 / self.latents_std.to(self.dtype)
         latents = (latents / inverse_std + mean).contiguous(memory_format=torch.channels_last)
         image = decode_patches(self.decoder, latents, self.comm, self.band_rows)
@@ -155,11 +217,12 @@ class VaeRunner(BatchedVae):
 
     def encode(self, images: list[np.ndarray], seeds: list[int | None] | None = None,
                draws: list[int] | None = None, masks: list[np.ndarray | None] | None = None) -> list[Latents]:
-        """Encodes same-size uint8 images ``[H, W, 3]`` in one VAE call; returns each one's packed latents: the
-        latent distribution's mode, or where ``seeds`` gives one, a sample drawn with it (with ``draws``, the
-        seed's generator's ``draws[i]``-th sample of that shape: a request's k-th control image). Where ``masks``
-        gives one (an inpainting ControlNet's control mask, uint8 ``[H, W]``, 1 repaints; with a seed), the image
-        is masked first and the latents carry the mask: ``[tokens, 68]``."""
+        """Encodes same-size uint8 images ``[H, W, C]`` (the VAE's channels: RGB, or Qwen-Image-Layered's RGBA) in
+        one VAE call; returns each one's packed latents (one frame): the latent distribution's mode, or where
+        ``seeds`` gives one, a sample drawn with it (with ``draws``, the seed's generator's ``draws[i]``-th sample of
+        that shape: a request's k-th control image). Where ``masks`` gives one (an inpainting ControlNet's control
+        mask, uint8 ``[H, W]``, 1 repaints; with a seed), the image is masked first and the latents carry the mask:
+        ``[tokens, 68]``."""
         height, width = images[0].shape[:2]
         seeds = seeds or [None] * len(images)
         masks = masks or [None] * len(images)

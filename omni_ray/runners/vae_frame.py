@@ -119,7 +119,8 @@ def _mid_layers(mid: nn.Module) -> list[nn.Module]:
 
 
 class FrameDecoder(nn.Module):
-    """Normalised latents ``[B, z_dim, h, w]`` -> pixels in [-1, 1] ``[B, 3, 8h, 8w]``.
+    """Normalised latents ``[B, z_dim, h, w]`` -> pixels in [-1, 1] ``[B, C, 8h, 8w]`` (C: the VAE's image
+    channels, 3, or 4 for Qwen-Image-Layered's RGBA; each of a batch's rows a frame of its own).
 
     Its head (``post_quant_conv``, ``conv_in`` and the mid block, whose attention spans the whole frame) runs at the
     latent resolution; everything after it (the up blocks' residual blocks and upsamplers, ``norm_out``,
@@ -151,7 +152,7 @@ class FrameDecoder(nn.Module):
 
     def decode_rows(self, hidden: torch.Tensor, start: int, stop: int, band_rows: int | None = None
                     ) -> torch.Tensor:
-        """Pixels ``[B, 3, scale * (stop - start), scale * w]`` of latent rows ``[start, stop)`` from the head's
+        """Pixels ``[B, C, scale * (stop - start), scale * w]`` of latent rows ``[start, stop)`` from the head's
         output ``hidden`` ``[B, C, h, w]``: the up path on those rows and ``halo`` more either side (fewer at the
         frame's edges, where the whole-frame decode's zero padding is the same), then cropped to them. With
         ``band_rows``, band by band."""
@@ -191,8 +192,8 @@ def _halo_rows(layers: list[nn.Module]) -> int:
 
 
 class FrameEncoder(nn.Module):
-    """Pixels in [-1, 1] ``[B, 3, H, W]`` -> the latent distribution's moments ``[B, 2 * z_dim, H/8, W/8]``: its
-    mean (its mode), then its log-variance."""
+    """Pixels in [-1, 1] ``[B, C, H, W]`` (C: 3, or 4 for RGBA) -> the latent distribution's moments
+    ``[B, 2 * z_dim, H/8, W/8]``: its mean (its mode), then its log-variance."""
 
     def __init__(self, vae: AutoencoderKLQwenImage):
         super().__init__()

@@ -17,6 +17,9 @@ import numpy as np
 import torch
 
 from omni_ray import qwen_image21
+from omni_ray.qwen_image import VISION_PATCH
+
+MIN_IMAGE_PIXELS = VISION_PATCH**2  # one vision token
 
 
 def local_subfolder(model: str, subfolder: str) -> str:
@@ -70,6 +73,11 @@ class VllmEncoder:
     of vision features into the first layers when it has images), and the language model's final RMSNorm is replaced
     by its residual add alone, so the pooled states are the last decoder layer's, before the norm. RGBA images are
     read with alpha over white (``vision.to_pil``).
+
+    ``captions`` (Qwen-Image-Layered): a second, generating engine writes greedy captions of images of up to
+    ``caption_image_pixels`` (``self.captioner``, ``runners.vllm_captioner``) on this engine's weights, so this
+    engine loads the vision tower even when its own sequences have no images (``max_image_pixels`` None: it is then
+    sized for the smallest image, which it never gets).
     """
 
     def __init__(
@@ -84,6 +92,9 @@ class VllmEncoder:
         dummy: bool = False,
         gpu_memory_utilization: float = 0.9,
         family: str = "qwen-image",
+        captions: bool = False,
+        caption_max_tokens: int = 512,
+        caption_image_pixels: int = 2 << 20,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Left on, vLLM replaces the process's logging set-up on import, and a Serve replica loses its log file.
@@ -95,7 +106,7 @@ class VllmEncoder:
         from vllm.v1.engine.input_processor import InputProcessor
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-        vision = max_image_pixels is not None
+        vision = max_image_pixels is not None or captions
         self.family21 = family == qwen_image21.FAMILY
         tokenizer = local_subfolder(model, "processor" if self.family21 else "tokenizer")
         if vision:
@@ -104,12 +115,12 @@ class VllmEncoder:
             modality = {
                 "model": vision_model_dir(model),
                 "limit_mm_per_prompt": {"image": max_images, "video": 0},
-                "mm_processor_kwargs": {"max_pixels": max_image_pixels},
+                "mm_processor_kwargs": {"max_pixels": max_image_pixels or MIN_IMAGE_PIXELS},
                 "mm_processor_cache_gb": 0,
             }
         else:
             modality = {"model": local_subfolder(model, "text_encoder"), "language_model_only": True}
-        self.config = EngineArgs(
+        args = EngineArgs(
             tokenizer=tokenizer,
             dtype=dtype,
             max_model_len=max_model_len,
@@ -123,7 +134,8 @@ class VllmEncoder:
             pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
             load_format="dummy" if dummy else "auto",  # dummy: vLLM's random weights, from the config alone
             **modality,
-        ).create_engine_config()
+        )
+        self.config = args.create_engine_config()
         executor = _loopback_executor(UniProcExecutor)
         if self.family21:
             executor = _skip_final_norm(executor)
@@ -131,6 +143,14 @@ class VllmEncoder:
         self.pooling_params = PoolingParams(task="token_embed", use_activation=False)
         self.pooling_params.verify(self.config.model_config)
         self.input_processor = InputProcessor(self.config) if vision or self.family21 else None
+        self.captioner = None
+        if captions:
+            from omni_ray.runners.vllm_captioner import VllmCaptioner
+            from omni_ray.tokenizer import CaptionTokenizer
+
+            template_tokens = CaptionTokenizer(model).max_template_tokens
+            self.captioner = VllmCaptioner(args, self.core, _loopback_executor(UniProcExecutor), caption_max_tokens,
+                                           caption_image_pixels, template_tokens)
 
     def add(self, request_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
         """Queues one sequence; with ``images``, its i-th ``<|image_pad|>`` token stands for the i-th image."""
@@ -173,6 +193,8 @@ class VllmEncoder:
         }
 
     def shutdown(self) -> None:
+        if self.captioner is not None:
+            self.captioner.shutdown()
         self.core.shutdown()
 
 
