@@ -17,8 +17,7 @@ from testing.reference import source_image
 
 PRESET = REPO / "stage_configs" / "qwen_image_layered_tiny.yaml"
 
-pytestmark = [pytest.mark.serve,
-              pytest.mark.skipif(not PRESET.is_file(), reason="the tiny Qwen-Image-Layered preset is not merged yet")]
+pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,7 @@ def over(layers: list[np.ndarray]) -> np.ndarray:
 
 
 def premultiplied(pixels: np.ndarray) -> np.ndarray:
-    """Colour times alpha: what a canvas keeps (a low alpha's colour does not survive it)."""
+    """Colour times alpha, as a canvas keeps it (a low alpha's colour does not survive it)."""
     return np.concatenate([pixels[..., :3].astype(float) * pixels[..., 3:] / 255, pixels[..., 3:]], axis=-1)
 
 
@@ -96,7 +95,8 @@ def test_the_page_decomposes_an_uploaded_image_into_layers(served, tmp_path):
         composite = composite.reshape(layers[0].shape)
         bottom_first, top_first = (np.abs(premultiplied(composite) - premultiplied(over(order))).max()
                                    for order in (layers, layers[::-1]))
-        assert bottom_first <= 2 and bottom_first <= top_first, (bottom_first, top_first)
+        # A canvas keeps 8-bit premultiplied colour, rounded at each draw: a few levels from PIL's exact compositing.
+        assert bottom_first <= 4 and bottom_first < top_first, (bottom_first, top_first)
         page.screenshot(path=tmp_path / "page-layers.png", full_page=True)
         page.set_viewport_size({"width": 390, "height": 844})
         assert fits_a_phone(page)

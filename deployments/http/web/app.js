@@ -41,7 +41,7 @@ if (layered) {
   layers.max = String(layered.max_layers);
   layers.value = String(layered.default_layers);
   for (const side of layered.resolutions) {
-    document.getElementById("resolution").append(new Option(`${side} (${side}x${side} pixels' area)`, side));
+    document.getElementById("resolution").append(new Option(String(side), side));  // the square's area
   }
   for (const language of layered.caption_languages) {
     document.getElementById("caption_language").append(new Option(LANGUAGES[language] ?? language, language));
