@@ -188,6 +188,24 @@ def test_the_page_is_told_the_preset_s_controlnets_where_they_run(config):
     assert (edit["controlnets"], edit["max_controls"], edit["edit"]) == ([], 0, True)
 
 
+def test_the_page_is_told_a_layered_preset_s_buckets_and_layer_bounds(config):
+    """On a Qwen-Image-Layered preset the page offers its Layers fields: the preset's resolution buckets (the first
+    the server's default), 2 to 8 layers (4 by default) and the caption languages (English the default); on a
+    text-to-image, an edit or a 2.1 preset, none."""
+    from deployments.http.page import page_html
+    from omni_ray.config import EditConfig
+
+    plain = page_settings(client_for(config)[0].get("/").text)
+    assert (plain["family"], plain["layered"]) == ("qwen-image", None)
+    assert page_settings(page_html(config.model_copy(update={"edit": EditConfig()})))["layered"] is None
+    assert page_settings(page_html(config.model_copy(update={"family": "qwen-image-2.1"})))["layered"] is None
+    layered = config.model_copy(update={"family": "qwen-image-layered", "edit": EditConfig(resolutions=(64, 128))})
+    settings = page_settings(client_for(layered)[0].get("/").text)
+    assert (settings["family"], settings["edit"], settings["controlnets"]) == ("qwen-image-layered", True, [])
+    assert settings["layered"] == {"resolutions": [64, 128], "min_layers": 2, "max_layers": 8, "default_layers": 4,
+                                   "caption_languages": ["en", "zh"]}
+
+
 def test_adapters_are_checked_by_the_dit_before_they_are_listed(config):
     client, stages = client_for(allowing_runtime_adapters(config))
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/style"})

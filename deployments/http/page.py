@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from omni_ray import qwen_image21
+from omni_ray import qwen_image21, qwen_image_layered
 from omni_ray.config import PipelineConfig
 
 WEB = pathlib.Path(__file__).resolve().parent / "web"
@@ -14,9 +14,9 @@ WEB_FILES = {name: (kind, (WEB / name).read_bytes())
 
 
 def page_html(config: PipelineConfig, api_key: bool = False) -> str:
-    """index.html with what the page needs of the preset: its name, mode, input images an edit takes, ControlNets
-    and how many a request may apply, default size and steps, sizes to offer, and whether the server takes an API
-    key (the page then asks for it)."""
+    """index.html with what the page needs of the preset: its name, family and mode, input images an edit takes,
+    ControlNets and how many a request may apply, a Layered preset's resolution buckets and layer bounds, default
+    size and steps, sizes to offer, and whether the server takes an API key (the page then asks for it)."""
     limits = config.requests
     default = f"{limits.default_width}x{limits.default_height}"
     squares = [f"{side}x{side}" for side in (64, 128, 256, 512, 1024, 1328)
@@ -29,6 +29,17 @@ def page_html(config: PipelineConfig, api_key: bool = False) -> str:
                 "max_images": config.edit.max_images if config.edit is not None else 0,
                 "controlnets": controlnets, "max_controls": limits.max_controls if controlnets else 0,
                 "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares])),
-                "api_key": api_key}
+                "api_key": api_key, "family": config.family, "layered": _layered(config)}
     # "</" cannot end the script element early: JSON allows "<\/" for "</".
     return (WEB / "index.html").read_text().replace("__SETTINGS__", json.dumps(settings).replace("</", "<\\/"))
+
+
+def _layered(config: PipelineConfig) -> dict | None:
+    """What the page's Layers fields offer on a Qwen-Image-Layered preset (None on any other): its resolution
+    buckets (the first the server's default), the layer bounds and default, the caption languages (the first the
+    server's default)."""
+    if config.family != qwen_image_layered.FAMILY:
+        return None
+    return {"resolutions": list(config.edit.resolutions), "min_layers": qwen_image_layered.MIN_LAYERS,
+            "max_layers": qwen_image_layered.MAX_LAYERS, "default_layers": qwen_image_layered.DEFAULT_LAYERS,
+            "caption_languages": list(qwen_image_layered.CAPTION_LANGUAGES)}

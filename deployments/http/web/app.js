@@ -13,9 +13,14 @@ document.body.classList.toggle("keyed", settings.api_key);
 keyInput.value = sessionStorage.getItem(KEY_STORAGE) ?? "";
 
 document.body.classList.toggle("edit", settings.edit);
-document.getElementById("model").textContent =
-  `${settings.model}: ${settings.edit ? "image editing" : "text to image"}, ` +
-  `${settings.default_size} and ${settings.default_steps} steps by default`;
+// Qwen-Image-Layered: an image decomposed into RGBA layers, shown over a checkerboard and composited.
+const layered = settings.layered;
+document.body.classList.toggle("layered", layered !== null);
+document.getElementById("model").textContent = layered
+  ? `${settings.model}: image to layers, ${layered.default_layers} layers at resolution ${layered.resolutions[0]} ` +
+    `and ${settings.default_steps} steps by default`
+  : `${settings.model}: ${settings.edit ? "image editing" : "text to image"}, ` +
+    `${settings.default_size} and ${settings.default_steps} steps by default`;
 document.getElementById("size").placeholder = settings.edit ? "from the image" : settings.default_size;
 document.getElementById("num_inference_steps").placeholder = String(settings.default_steps);
 for (const size of settings.sizes) {
@@ -28,6 +33,24 @@ const imageInput = document.getElementById("image");
 if (settings.max_images > 1) {  // Edit-Plus: several images, in the order picked
   imageInput.multiple = true;
   document.querySelector('label[for="image"]').textContent = `Images to edit (up to ${settings.max_images})`;
+}
+const LANGUAGES = { en: "English", zh: "Chinese" };
+if (layered) {
+  const layers = document.getElementById("layers");
+  layers.min = String(layered.min_layers);  // the client check reads the input's own bounds
+  layers.max = String(layered.max_layers);
+  layers.value = String(layered.default_layers);
+  for (const side of layered.resolutions) {
+    document.getElementById("resolution").append(new Option(String(side), side));  // the square's area
+  }
+  for (const language of layered.caption_languages) {
+    document.getElementById("caption_language").append(new Option(LANGUAGES[language] ?? language, language));
+  }
+  document.querySelector('label[for="image"]').textContent = "Image to decompose (its transparency is kept)";
+  document.getElementById("image-preview").classList.add("checker");
+  document.getElementById("prompt").placeholder =
+    "optional: left empty, the server captions the image and uses the caption (Enter decomposes)";
+  button.textContent = "Decompose";
 }
 imageInput.addEventListener("change", () => {
   const preview = document.getElementById("image-preview");
@@ -99,6 +122,7 @@ form.addEventListener("submit", async (event) => {
   button.disabled = true;
   try {
     const body = fields();
+    if (layered && !layeredFields(body)) return;
     const controls = await controlFields(body.size ?? settings.default_size);
     if (controls) await generate(body, controls);
   } catch (error) {
@@ -119,6 +143,22 @@ function fields() {
     body[name] = Number.isNaN(numeric) ? value : numeric;  // the server names what is wrong
   }
   return body;
+}
+
+function layeredFields(body) {
+  // Qwen-Image-Layered's fields, added to the body; false, said beside the field, for layers the input's bounds
+  // (the preset's) do not allow: the server would refuse them.
+  body.prompt ??= "";  // empty: the server captions the image, and the caption comes back as revised_prompt
+  const layers = document.getElementById("layers");
+  if (!layers.checkValidity()) {
+    showError("layers", `a whole number of layers from ${layered.min_layers} to ${layered.max_layers}`);
+    return false;
+  }
+  if (layers.value !== "") body.layers = parseInt(layers.value, 10);
+  body.resolution = parseInt(document.getElementById("resolution").value, 10);
+  body.caption_language = document.getElementById("caption_language").value;
+  body.cfg_normalize = document.getElementById("cfg_normalize").checked;
+  return true;
 }
 
 async function controlFields(size) {
@@ -182,12 +222,14 @@ async function generate(body, { controls, files } = { controls: [], files: [] })
   }
   results.replaceChildren();
   const cards = Array.from({ length: body.n ?? 1 }, (_, index) => card(index, body));
+  const layerCount = layered ? body.layers ?? layered.default_layers : 0;
   await readEvents(response, (event) => {
     if (event.type === "error") {
       showError(event.error?.param ?? "", event.error?.message ?? "the request failed");
       return;
     }
-    const view = cards[event.index];
+    // A Layered image's completed events are one per layer, each indexed by its place in `data`.
+    const view = cards[event.layer === undefined ? event.index : Math.floor(event.index / layerCount)];
     if (event.type.endsWith(".progress")) {
       view.progress.max = event.total_steps;
       view.progress.value = event.step;
@@ -197,6 +239,8 @@ async function generate(body, { controls, files } = { controls: [], files: [] })
       view.image.className = "preview";
       view.image.hidden = false;
       view.status.textContent = `preview ${event.partial_image_index + 1} of ${PARTIAL_IMAGES}`;
+    } else if (event.type.endsWith(".completed") && event.layer !== undefined) {
+      showLayer(view, event, layerCount);
     } else if (event.type.endsWith(".completed")) {
       const url = `data:image/${event.output_format};base64,${event.b64_json}`;
       view.image.src = url;
@@ -231,7 +275,68 @@ function card(index, body) {
   download.hidden = true;
   element.append(progress, status, image, download);
   results.append(element);
-  return { progress, status, image, download };
+  const view = { progress, status, image, download };
+  if (layered) Object.assign(view, layersView(element));
+  return view;
+}
+
+function layersView(element) {
+  // A Layered image's view: the composite, then each layer bottom to top, all over a checkerboard so transparency
+  // shows; the caption that stood for an empty prompt below.
+  element.classList.add("layered");
+  const layers = document.createElement("div");
+  layers.className = "layers";
+  layers.hidden = true;
+  const figure = document.createElement("figure");
+  figure.className = "composite";
+  const composite = document.createElement("canvas");
+  composite.className = "checker";
+  const label = document.createElement("figcaption");
+  label.textContent = "Composite";
+  figure.append(composite, label);
+  layers.append(figure);
+  const caption = document.createElement("p");
+  caption.className = "caption";
+  caption.hidden = true;
+  element.append(layers, caption);
+  return { layers, composite, caption };
+}
+
+async function showLayer(view, event, count) {
+  // One layer as it arrives (0: the bottom), in its place; the composite redrawn with every layer decoded so far.
+  const url = `data:image/${event.output_format};base64,${event.b64_json}`;
+  const figure = document.createElement("figure");
+  figure.className = "layer";
+  figure.dataset.layer = String(event.layer);
+  const image = new Image();
+  image.className = "checker result";
+  image.alt = `layer ${event.layer + 1}`;
+  image.src = url;
+  const label = document.createElement("figcaption");
+  const place = event.layer === 0 ? " (bottom)" : event.layer === count - 1 ? " (top)" : "";
+  label.textContent = `Layer ${event.layer + 1}${place}`;
+  const download = document.createElement("a");
+  download.textContent = "Download";
+  download.href = url;
+  download.download = `omni-ray-layer-${event.index}.${event.output_format}`;
+  figure.append(image, label, download);
+  const above = Array.from(view.layers.querySelectorAll(".layer")).find((f) => Number(f.dataset.layer) > event.layer);
+  view.layers.insertBefore(figure, above ?? null);
+  view.layers.hidden = false;
+  view.image.hidden = true;  // the composite takes the previews' place
+  view.progress.value = view.progress.max;
+  if (event.revised_prompt) {
+    view.caption.textContent = `Caption (the prompt it stood for): ${event.revised_prompt}`;
+    view.caption.hidden = false;
+  }
+  await image.decode();
+  const shown = Array.from(view.layers.querySelectorAll(".layer img")).filter((layer) => layer.naturalWidth > 0);
+  view.composite.width = shown[0].naturalWidth;  // a canvas is cleared when sized
+  view.composite.height = shown[0].naturalHeight;
+  const context = view.composite.getContext("2d");
+  for (const layer of shown) context.drawImage(layer, 0, 0);  // bottom first
+  view.status.textContent = shown.length < count ? `${shown.length} of ${count} layers`
+    : `done, ${count} layers of ${image.naturalWidth}x${image.naturalHeight}`;
 }
 
 async function readEvents(response, onEvent) {
