@@ -123,15 +123,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
 
     async def caption(self, request: CaptionRequest, image: ray.ObjectRef) -> Caption:
         """The encoder's caption; the image travels by reference (the request path sends ``request.image`` None)."""
-        response = self.encoder.caption.remote(request, image)
-        try:
-            return await response
-        except Exception as err:
-            cancel(response)
-            raise stage_error(err, "encoder", StageCall.CAPTION) from None
-        except BaseException:
-            cancel(response)
-            raise
+        return await _answer(self.encoder.caption.remote(request, image), "encoder", StageCall.CAPTION)
 
     def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None, draw: int = 0,
                      mask: ray.ObjectRef | None = None) -> DeploymentResponse:
@@ -168,17 +160,23 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
     async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode, preview: bool = False
                      ) -> Decoded:
         response = self.vae.decode.remote(request_id, Upstream("dit", StageCall.DENOISE, latents), output, preview)
-        try:
-            return await response
-        except Exception as err:
-            cancel(response)
-            raise stage_error(err, "vae", StageCall.DECODE) from None
-        except BaseException:
-            cancel(response)
-            raise
+        return await _answer(response, "vae", StageCall.DECODE)
 
     def cancel(self, handle: DeploymentResponse) -> None:
         cancel(handle)
+
+
+async def _answer(response: DeploymentResponse, stage: str, call: StageCall):
+    """A unary stage call's result; its failure as ``stage_error`` names it, and the call is cancelled when it fails
+    or its caller goes away."""
+    try:
+        return await response
+    except Exception as err:
+        cancel(response)
+        raise stage_error(err, stage, call) from None
+    except BaseException:
+        cancel(response)
+        raise
 
 
 async def _awaited(response: DeploymentResponse | ray.ObjectRef):
