@@ -5,7 +5,8 @@ For each request it
 2. reads the body, and decodes and resizes an edit's images off the event loop, a few requests at a time;
 3. plans it once: the route checked, the body validated, sizes resolved, seeds assigned, true CFG decided
    (``api.planning.plan_request``);
-4. admits it, or refuses it at once (503, ``Retry-After``) when the DiT would finish it past its deadline;
+4. admits it, or refuses it at once (503, ``Retry-After``) when the DiT would finish it past its deadline; and
+   charges it to its API key's quotas, or refuses it (429, ``Retry-After``: ``http.quotas``);
 5. runs it on the one request path (``request_path.run_request``, shared with the in-process pipeline): the
    stages chained by reference over ``deployments.stages.ServeStages``, ``n`` images fanned out, lost stage calls
    issued again, the deadline kept, every stage call cancelled when the caller goes away;
@@ -34,12 +35,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util.queue import Queue
+from starlette.background import BackgroundTask
 
 from deployments import metrics
 from deployments.http import bodies
 from deployments.http.adapters import Adapters, AdapterStore, ClusterAdapters
 from deployments.http.api_keys import ApiKeys
 from deployments.http.page import WEB_FILES, page_html
+from deployments.http.quotas import NO_LEASE, ClusterQuotas, Lease, Quotas
 from deployments.http.routes import build_api
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
 from deployments.stages import ServeStages
@@ -93,9 +96,12 @@ class CrossEngineCoordinator:
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
         """Serve builds one in each coordinator replica, over the stage deployments' handles (``app.build_app``),
         with the app's run-time adapters in the cluster's key-value store and the API keys of its process's
-        ``OMNI_RAY_API_KEY``; it watches its own event loop and collects garbage when idle."""
-        self._setup(ServeStages(encoder, dit, vae), config, ClusterAdapters(serve.get_replica_context().app_name),
-                    ApiKeys.from_env(), _deployments_without_replicas)
+        ``OMNI_RAY_API_KEY``, and the keys' quotas (``OMNI_RAY_KEY_LIMITS``) counted in the app's ledger actor;
+        it watches its own event loop and collects garbage when idle."""
+        app_name, api_keys = serve.get_replica_context().app_name, ApiKeys.from_env()
+        quotas = Quotas.from_env(api_keys.count, lambda: ClusterQuotas(app_name))
+        self._setup(ServeStages(encoder, dit, vae), config, ClusterAdapters(app_name), api_keys,
+                    _deployments_without_replicas, quotas)
         # Serve runs the constructor on the event loop that serves the requests: the one to watch.
         loop = asyncio.get_running_loop()
         self.watch = loop.create_task(_watch_event_loop())
@@ -104,21 +110,22 @@ class CrossEngineCoordinator:
 
     @classmethod
     def over(cls, stages: Stages, config: PipelineConfig, adapters: AdapterStore, api_keys: ApiKeys | None = None,
-             unready: Callable[[], list[str]] = list) -> CrossEngineCoordinator:
+             unready: Callable[[], list[str]] = list, quotas: Quotas | None = None) -> CrossEngineCoordinator:
         """The same coordinator outside Serve, over any stage protocol; ``unready()`` names the deployments without
-        a running replica (none: ``/health`` is ok). An instance of the plain class: Serve's ingress wrapper around it
-        has an asynchronous constructor and finaliser of Serve's own."""
+        a running replica (none: ``/health`` is ok); ``quotas``: the API keys' (none by default). An instance of the
+        plain class: Serve's ingress wrapper around it has an asynchronous constructor and finaliser of Serve's own."""
         coordinator = object.__new__(_PlainCoordinator)
-        coordinator._setup(stages, config, adapters, api_keys or ApiKeys(), unready)
+        coordinator._setup(stages, config, adapters, api_keys or ApiKeys(), unready, quotas or Quotas())
         return coordinator
 
     def _setup(self, stages: Stages, config: PipelineConfig, adapters: AdapterStore, api_keys: ApiKeys,
-               unready: Callable[[], list[str]]) -> None:
+               unready: Callable[[], list[str]], quotas: Quotas) -> None:
         self.stages = stages
         self.config = config
         self.tokenizer = tokenizer_for(config)  # counts a prompt's tokens
         self.adapters = Adapters(config, adapters, started=int(time.time()))
         self.api_keys = api_keys
+        self.quotas = quotas
         self.unready = unready
         self.page_html = page_html(config, api_key=api_keys.required)
         self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
@@ -146,7 +153,7 @@ class CrossEngineCoordinator:
             else:  # base64 grows a file by a third
                 body, controls, masks = await bodies.json_body(request, base64_limit(limit)), None, None
         plan = await self.plan(body, tenant=tenant, control_images=controls, control_masks=masks)
-        return await self.respond(plan, request)
+        return await self.respond(plan, request, await self.charge(tenant, plan))
 
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
@@ -158,7 +165,8 @@ class CrossEngineCoordinator:
             limit = bodies.MAX_BODY_BYTES + (edit.max_images + 1) * edit.max_image_bytes  # the images and a mask
             fields, images, mask = await bodies.edit_form(request, limit)
             body = parse_request(fields, form=True)
-        return await self.respond(await self.plan(body, images, tenant, mask), request)  # []: "image: required"
+        plan = await self.plan(body, images, tenant, mask)  # []: "image: required"
+        return await self.respond(plan, request, await self.charge(tenant, plan))
 
     async def page(self) -> HTMLResponse:
         """The try-it page: a form over the images API with live previews (``http/web``)."""
@@ -232,15 +240,24 @@ class CrossEngineCoordinator:
 
     # --- the one path and its views -----------------------------------------------------------------------------
 
-    async def respond(self, plan: GenerationPlan, request: Request) -> Response:
-        """JSON, or server-sent events when the request streams."""
+    async def respond(self, plan: GenerationPlan, request: Request, lease: Lease = NO_LEASE) -> Response:
+        """JSON, or server-sent events when the request streams; ``lease`` (its key's quotas) ends with the
+        response, however it ends."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
-        if plan.request.stream:
-            return StreamingResponse(bodies.sse(self.sse_events(plan, request_id)), media_type="text/event-stream",
-                                     headers=headers)
-        body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
+        if plan.request.stream:  # the lease also ends after a stream that never started (its client gone)
+            return StreamingResponse(lease.holding(bodies.sse(self.sse_events(plan, request_id))),
+                                     media_type="text/event-stream", headers=headers,
+                                     background=BackgroundTask(lease.end))
+        with lease:
+            body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
         return Response(body, media_type="application/json", headers=headers)
+
+    async def charge(self, tenant: str | None, plan: GenerationPlan) -> Lease:
+        """Charges an admitted plan to its API key's quotas (``tenant``: the key's name): its lease, or
+        RateLimitError (429, Retry-After) over a limit."""
+        with self._counting_errors():
+            return await self.quotas.acquire(tenant, plan)
 
     async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
                    tenant: str | None = None, mask: bytes | None = None,

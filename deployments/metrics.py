@@ -109,3 +109,27 @@ prompt_cache_bytes = metrics.Gauge(
     "omni_encoder_prompt_cache_bytes", description="Bytes of prompt embeddings the encoder's cache holds.",
     tag_keys=("stage",),
 )
+# Per-key quotas (deployments.http.quotas), tagged with the API key's name (key0, key1; never the key).
+quota_requests = metrics.Counter(
+    "omni_quota_requests_total", description="Requests a key's quotas admitted.", tag_keys=("stage", "key"),
+)
+quota_images = metrics.Counter(
+    "omni_quota_images_total", description="Images (n, times a Layered request's layers) of admitted requests, per "
+    "key.", tag_keys=("stage", "key"),
+)
+quota_work = metrics.Counter(
+    "omni_quota_work_tokens_total", description="DiT token-steps (work tokens per step x steps x n) of admitted "
+    "requests, per key.", tag_keys=("stage", "key"),
+)
+quota_refusals = metrics.Counter(
+    "omni_quota_refusals_total", description="Requests refused with a 429, per key and the limit they would pass "
+    "(rpm, ipm, concurrent, work).", tag_keys=("stage", "key", "limit"),
+)
+quota_running = metrics.Gauge(
+    "omni_quota_running_requests", description="A coordinator replica's admitted requests of a key still running "
+    "(sum over replicas: the key's concurrent requests).", tag_keys=("stage", "key"),
+)
+quota_store_errors = metrics.Counter(
+    "omni_quota_store_errors_total", description="Quota checks the counter store did not answer in time: the "
+    "request was admitted unchecked (quotas fail open).", tag_keys=("stage",),
+)

@@ -12,3 +12,23 @@ def api_keys(environ: Mapping[str, str] = os.environ) -> list[str]:
     """The keys ``OMNI_RAY_API_KEY`` names: one, or several separated by commas (blanks around them dropped); none
     when it is unset."""
     return [key.strip() for key in environ.get(API_KEY, "").split(",") if key.strip()]
+
+
+KEY_LIMITS = "OMNI_RAY_KEY_LIMITS"  # per-key quotas (omni_ray.quotas.QuotaSettings.parse's syntax)
+KEY_LIMITS_FILE = "OMNI_RAY_KEY_LIMITS_FILE"  # or a file holding them: a Kubernetes Secret mounted as a volume
+
+
+def key_limits(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The per-key quota settings' text: ``OMNI_RAY_KEY_LIMITS``, else the file ``OMNI_RAY_KEY_LIMITS_FILE`` names
+    (None when that file does not exist: an optional Secret not created); None when neither is set. ValueError when
+    both are (which one counts would be a guess)."""
+    text, path = environ.get(KEY_LIMITS, "").strip(), environ.get(KEY_LIMITS_FILE, "").strip()
+    if text and path:
+        raise ValueError(f"set {KEY_LIMITS} or {KEY_LIMITS_FILE}, not both")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as file:
+                return file.read()
+        except FileNotFoundError:
+            return None
+    return text or None

@@ -76,6 +76,19 @@ class ForbiddenError(RequestError):
     status_code = 403
 
 
+class RateLimitError(RequestError):
+    """The request's API key is over one of its quotas (``omni_ray.quotas``): a 429 with OpenAI's code
+    ``rate_limit_exceeded`` and its type, ``requests`` or ``tokens``; retry after ``retry_after_s``."""
+
+    status_code = 429
+
+    def __init__(self, message: str, error_type: str = "requests", retry_after_s: float = 1.0):
+        super().__init__(message, param=None)
+        self.error_type = error_type
+        self.code = "rate_limit_exceeded"
+        self.retry_after_s = retry_after_s
+
+
 class PayloadTooLargeError(RequestError):
     """The request body is larger than the API accepts."""
 

@@ -31,6 +31,11 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self._digests)
 
+    @property
+    def count(self) -> int:
+        """How many keys: their names are key0 .. key<count - 1>."""
+        return len(self._digests)
+
     def check(self, authorization: str | None) -> str | None:
         """The matching key's name (``key0``, ``key1``: its place in the list, never the key), or None when the
         server takes no keys. Raises AuthenticationError (a 401) unless ``authorization`` (the header's value) is

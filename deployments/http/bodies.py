@@ -13,14 +13,15 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
 from omni_ray.api.responses import error_body, json_bytes
-from omni_ray.errors import OmniRayError, OverloadedError, PayloadTooLargeError, RequestError
+from omni_ray.errors import OmniRayError, OverloadedError, PayloadTooLargeError, RateLimitError, RequestError
 
 MAX_BODY_BYTES = 1 << 20
 
 
 async def error_response(request: Request, err: OmniRayError) -> JSONResponse:
-    """OpenAI's error response for ``err``; a 503 says when to retry."""
-    headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if isinstance(err, OverloadedError) else None
+    """OpenAI's error response for ``err``; a 503 and a 429 say when to retry."""
+    retry_after_s = err.retry_after_s if isinstance(err, (OverloadedError, RateLimitError)) else None
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
     return JSONResponse(error_body(err), err.status_code, headers=headers)
 
 
