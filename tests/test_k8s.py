@@ -183,3 +183,18 @@ def test_every_ray_container_reads_the_api_keys_from_a_secret():
                 env = {item["name"]: item for item in container.get("env", [])}
                 assert env["OMNI_RAY_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "omni-ray-api-keys",
                                                                                  "key": "keys"}, path.name
+
+
+def test_every_ray_container_reads_the_key_limits_from_an_optional_secrets_file():
+    """Per-key quotas: OMNI_RAY_KEY_LIMITS_FILE names a file of the omni-ray-key-limits Secret, mounted where it
+    says; the Secret is optional (without it, no quotas), so the pods start without it."""
+    for path, doc in rayservices():
+        cluster = doc["spec"]["rayClusterConfig"]
+        templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        for template in templates:
+            volumes = {volume["name"]: volume for volume in template["spec"]["volumes"]}
+            assert volumes["key-limits"]["secret"] == {"secretName": "omni-ray-key-limits", "optional": True}
+            for container in template["spec"]["containers"]:
+                env = {item["name"]: item for item in container.get("env", [])}
+                mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+                assert env["OMNI_RAY_KEY_LIMITS_FILE"]["value"] == mounts["key-limits"] + "/limits", path.name

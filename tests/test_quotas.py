@@ -139,7 +139,7 @@ def test_settings_from_the_environment_or_a_secrets_file(tmp_path):
     made = []
     quotas = Quotas.from_env(2, lambda: made.append(1) or MemoryQuotas(), {env.KEY_LIMITS_FILE: str(secret)})
     assert quotas.settings.for_key("key1") == KeyLimits(rpm=5) and made == [1]
-    assert Quotas.from_env(0, lambda: made.append(1), {env.KEY_LIMITS: "default: rpm=5"}).settings is None
+    assert Quotas.from_env(0, lambda: made.append(1), {env.KEY_LIMITS: "key3: rpm=5"}).settings is None
     assert Quotas.from_env(2, lambda: made.append(1), {}).settings is None and made == [1]  # no store without limits
 
 

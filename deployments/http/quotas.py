@@ -152,7 +152,7 @@ class Quotas:
                 logger.warning("%s names no file (%s): no per-key quotas", env.KEY_LIMITS_FILE,
                                environ[env.KEY_LIMITS_FILE])
             return cls()
-        settings = QuotaSettings.parse(text, num_keys)
+        settings = QuotaSettings.parse(text, num_keys or None)
         if num_keys == 0:
             logger.warning("per-key quotas are set but OMNI_RAY_API_KEY is not: no request is limited")
             return cls()
