@@ -1,6 +1,6 @@
 """The served app's edges (issue 28) on a real local Ray cluster: API keys from OMNI_RAY_API_KEY, run-time adapters
-that every coordinator replica serves (two replicas here, one of them killed and replaced), and the page asking for
-the key in Chromium."""
+that every coordinator replica serves (two replicas here, one of them killed and replaced), the page asking for
+the key in Chromium, and a key's quota (OMNI_RAY_KEY_LIMITS) holding across both coordinator replicas."""
 
 import json
 import time
@@ -16,9 +16,12 @@ from conftest import REPO
 from testing.local_serve import LocalServe
 from testing.lora_files import make_adapter
 from testing.openai_api import conforms
+from testing.serving import scrape, total
 
 pytestmark = pytest.mark.serve
 KEYS = ("sk-omni-first", "sk-omni-second")
+LIMITED = "sk-omni-limited"  # key2, the only key with a quota
+QUOTA_RPM = 4
 COORDINATOR = "ray::ServeReplica:omni-ray:Coordinator"
 
 
@@ -29,7 +32,8 @@ def served(tiny_dir, tmp_path_factory):
     preset["coordinator"]["num_replicas"] = 2
     preset["lora"] = {"allow_runtime_updates": True, "roots": [str(adapters)]}
     with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=preset,
-                    env={"OMNI_RAY_API_KEY": ",".join(KEYS)}) as local:
+                    env={"OMNI_RAY_API_KEY": ",".join((*KEYS, LIMITED)),
+                         "OMNI_RAY_KEY_LIMITS": f"key2: rpm={QUOTA_RPM}"}) as local:
         yield local, adapters
 
 
@@ -126,3 +130,38 @@ def test_the_page_asks_for_the_key(served):
         page.fill("#api_key", KEYS[1])
         page.click("#generate")
         assert result_size(page) == (64, 64)
+
+
+def test_a_keys_quota_holds_across_both_coordinator_replicas(served):
+    """20 requests of key2 (4 a minute) spread over the two coordinator replicas by Serve's router: 4 answered, 16
+    refused with a 429 in OpenAI's shape, both replicas among those that charged or refused them (their counters
+    are in one ledger actor); the other keys are not limited."""
+    local, _ = served
+    body = {"prompt": "a red cat", "size": "64x64", "num_inference_steps": 2}
+    answers = [call(local.base_url, "/v1/images/generations", body, keyed(LIMITED)) for _ in range(20)]
+    assert [status for status, _ in answers].count(200) == QUOTA_RPM
+    refused = [response for status, response in answers if status != 200]
+    assert len(refused) == 20 - QUOTA_RPM
+    for response in refused:
+        conforms("ErrorResponse", response)
+        assert (response["error"]["code"], response["error"]["type"]) == ("rate_limit_exceeded", "requests")
+        assert "key2 on requests per minute (RPM): Limit 4, Used 4" in response["error"]["message"]
+    request = urllib.request.Request(local.base_url + "/v1/images/generations", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **keyed(LIMITED)})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 429 and 1 <= int(err.value.headers["Retry-After"]) <= 60
+    assert call(local.base_url, "/v1/images/generations", body, keyed(KEYS[0]))[0] == 200
+    deadline = time.monotonic() + 30
+    while True:  # the replicas' counters reach the exporter every second
+        samples = scrape(local.metrics_url)
+        charged = total(samples, "ray_omni_quota_requests_total", key="key2")
+        refusals = total(samples, "ray_omni_quota_refusals_total", key="key2", limit="rpm")
+        if (charged, refusals) == (QUOTA_RPM, 21 - QUOTA_RPM) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert (charged, refusals) == (QUOTA_RPM, 21 - QUOTA_RPM)
+    workers = {labels.split('WorkerId="')[1].split('"')[0] for (name, labels), value in samples.items()
+               if name in ("ray_omni_quota_requests_total", "ray_omni_quota_refusals_total") and value
+               and 'key="key2"' in labels}
+    assert len(workers) == 2  # both replicas took key2's requests; the ledger held the limit over both
