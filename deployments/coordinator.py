@@ -2,7 +2,8 @@
 
 For each request it
 1. checks the caller's API key (``authorize``);
-2. reads the body, and decodes and resizes an edit's images off the event loop, a few requests at a time;
+2. reads the body, and decodes and resizes an edit's images off the event loop, a few requests at a time, the most
+   urgent first;
 3. plans it once: the route checked, the body validated, sizes resolved, seeds assigned, true CFG decided
    (``api.planning.plan_request``);
 4. admits it, or refuses it at once (503, ``Retry-After``) when the DiT would finish it past its deadline; and
@@ -13,7 +14,9 @@ For each request it
 6. and views the request's event stream: a JSON response drains it, server-sent events forward it, handle callers
    get either (over Ray Client, which streams no handle call, the events put into a queue actor).
 
-Image files are written, base64-encoded and serialised on threads, never on the event loop. Serve builds one per
+Image files are written, base64-encoded and serialised on threads, never on the event loop; uploads are decoded and
+image files written in slots taken by the request's priority (``PrioritySlots``), so an urgent request never waits
+behind bulk work of the coordinator's own. Serve builds one per
 coordinator replica over the stage deployments' handles; ``CrossEngineCoordinator.over`` builds the same class over
 any ``Stages`` (fakes in tests), whose routes then run under starlette's ``TestClient``. Every ``/v1/...`` route
 first checks the API key; ``/``, ``/web/...`` and ``/health`` are open.
@@ -25,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -44,6 +48,7 @@ from deployments.http.api_keys import ApiKeys
 from deployments.http.page import WEB_FILES, page_html
 from deployments.http.quotas import NO_LEASE, ClusterQuotas, Lease, Quotas
 from deployments.http.routes import build_api
+from deployments.priority_slots import PrioritySlots
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
 from deployments.stages import ServeStages
 from omni_ray.api.images import (
@@ -86,6 +91,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ray.serve")
 MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each may take seconds and 100s of MB
+MAX_IMAGE_WRITES = min(32, (os.cpu_count() or 1) + 4)  # image files written at once: as many threads as the event
+# loop's default executor (asyncio.to_thread's) runs, so the slots, not that executor's FIFO queue, decide the order
 COORDINATOR = {"stage": "coordinator"}  # the metrics' stage label
 
 
@@ -128,7 +135,8 @@ class CrossEngineCoordinator:
         self.quotas = quotas
         self.unready = unready
         self.page_html = page_html(config, api_key=api_keys.required)
-        self.image_slots = asyncio.Semaphore(MAX_IMAGE_DECODES)
+        self.image_slots = PrioritySlots(MAX_IMAGE_DECODES)  # uploads being decoded
+        self.write_slots = PrioritySlots(MAX_IMAGE_WRITES)  # image files being written
         self.in_flight = 0  # requests whose events are being produced
         self.served = 0  # requests that ended, however
         if api_keys.required:
@@ -282,11 +290,11 @@ class CrossEngineCoordinator:
                     check_control_route(self.config, has_image=files is not None or mask is not None)
                 body = body if isinstance(body, ImageGenerationRequest) else parse_request(body)
                 check_controls(body, self.config)  # names and count, before any image is decoded
-                async with self.image_slots:
+                async with self.image_slots.take(_priority(body)):
                     controls, masks = await asyncio.to_thread(self._load_controls, body, control_images,
                                                               control_masks)
             if files is not None or mask is not None:
-                async with self.image_slots:
+                async with self.image_slots.take(_priority(body)):
                     inputs = await asyncio.to_thread(load_inputs, files, mask, self.config, size,
                                                      layered_resolution(body, self.config))
             plan = plan_request(body, self.config, self.tokenizer.num_tokens, inputs,
@@ -339,7 +347,7 @@ class CrossEngineCoordinator:
 
     async def json_response(self, plan: GenerationPlan, request_id: str) -> dict:
         results = await collect(self.events(plan, request_id))
-        per_result = await asyncio.gather(*(_image_files(result, plan.request) for result in results))
+        per_result = await asyncio.gather(*(self._image_files(result, plan.request) for result in results))
         files = [file for result_files in per_result for file in result_files]
         each = range(plan.images_per_result)  # a Layered image's layers share its stats and caption
         stats = [image_stats(result.timings, result.dit_passes) for result in results for _ in each]
@@ -354,20 +362,38 @@ class CrossEngineCoordinator:
                 if plan.request.progress:
                     yield progress_event(plan, event.index, event.step, event.total)
             elif isinstance(event, ImagePreview):
-                data = await _image_file(event.result, plan.request)
+                data = await self._image_file(event.result, plan.request)
                 yield await asyncio.to_thread(partial_image_event, plan, event.index, event.partial_index, data)
             elif isinstance(event, ImageDone):
                 result = event.result
                 stats = image_stats(result.timings, result.dit_passes) if plan.request.timings else None
                 if not plan.layers:
-                    data = await _image_file(result, plan.request)
+                    data = await self._image_file(result, plan.request)
                     yield await asyncio.to_thread(completed_event, plan, event.index, data, stats)
                     continue
-                for layer, data in enumerate(await _image_files(result, plan.request)):  # one event per layer
+                for layer, data in enumerate(await self._image_files(result, plan.request)):  # one event per layer
                     yield await asyncio.to_thread(completed_event, plan, event.index, data, stats, layer,
                                                   result.revised_prompt)
             else:
                 yield {"type": "error", **error_body(event.error)}
+
+    async def _image_file(self, result: Decoded, request: ImageGenerationRequest) -> bytes:
+        """The image file of one result, written on a thread (a large PNG takes a good part of a second) in a write
+        slot taken by the request's priority; a Layered result's (a preview's) is its layers composited."""
+        pixels = result.pixels if result.pixels.ndim == 3 else composite(result.pixels)
+        return await self._write(pixels, request)
+
+    async def _image_files(self, result: Decoded, request: ImageGenerationRequest) -> list[bytes]:
+        """The image files of one result: its one image, or a Layered result's layers bottom to top, each written
+        on a thread."""
+        if result.pixels.ndim == 3:
+            return [await self._image_file(result, request)]
+        return list(await asyncio.gather(*(self._write(layer, request) for layer in result.pixels)))
+
+    async def _write(self, pixels: np.ndarray, request: ImageGenerationRequest) -> bytes:
+        async with self.write_slots.take(request.priority):
+            return await asyncio.to_thread(write_image_file, pixels, request.output_format,
+                                           request.output_compression, request.background != "opaque")
 
     def authorize(self, request: Request) -> str | None:
         """The name of the API key the request carries (None when the server takes none); raises
@@ -391,22 +417,11 @@ _PlainCoordinator = CrossEngineCoordinator
 CrossEngineCoordinator = serve.ingress(build_api(CrossEngineCoordinator))(CrossEngineCoordinator)
 
 
-async def _image_file(result: Decoded, request: ImageGenerationRequest) -> bytes:
-    """The image file of one result, written on a thread (a large PNG takes a good part of a second); a Layered
-    result's (a preview's) is its layers composited."""
-    pixels = result.pixels if result.pixels.ndim == 3 else composite(result.pixels)
-    return await asyncio.to_thread(write_image_file, pixels, request.output_format, request.output_compression,
-                                   request.background != "opaque")
-
-
-async def _image_files(result: Decoded, request: ImageGenerationRequest) -> list[bytes]:
-    """The image files of one result: its one image, or a Layered result's layers bottom to top, each written on a
-    thread."""
-    if result.pixels.ndim == 3:
-        return [await _image_file(result, request)]
-    return list(await asyncio.gather(*(
-        asyncio.to_thread(write_image_file, layer, request.output_format, request.output_compression,
-                          request.background != "opaque") for layer in result.pixels)))
+def _priority(body: dict | ImageGenerationRequest) -> int:
+    """The request's priority for the coordinator's own queues, read before the body is validated (planning refuses
+    a bad one; meanwhile it counts as 0)."""
+    value = body.priority if isinstance(body, ImageGenerationRequest) else body.get("priority", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _count_failure(err: OmniRayError) -> None:

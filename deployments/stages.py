@@ -126,8 +126,8 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         return await _answer(self.encoder.caption.remote(request, image), "encoder", StageCall.CAPTION)
 
     def encode_image(self, request_id: str, image: ray.ObjectRef, seed: int | None = None, draw: int = 0,
-                     mask: ray.ObjectRef | None = None) -> DeploymentResponse:
-        return self.vae.encode.remote(request_id, image, seed, draw, mask)
+                     mask: ray.ObjectRef | None = None, *, priority: int = 0, tenant: str = "") -> DeploymentResponse:
+        return self.vae.encode.remote(request_id, image, seed, draw, mask, priority, tenant)
 
     async def denoise(
         self,
@@ -157,9 +157,10 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
             cancel(stream)
             raise
 
-    async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode, preview: bool = False
-                     ) -> Decoded:
-        response = self.vae.decode.remote(request_id, Upstream("dit", StageCall.DENOISE, latents), output, preview)
+    async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode, preview: bool = False, *,
+                     priority: int = 0, tenant: str = "") -> Decoded:
+        response = self.vae.decode.remote(request_id, Upstream("dit", StageCall.DENOISE, latents), output, preview,
+                                          priority, tenant)
         return await _answer(response, "vae", StageCall.DECODE)
 
     def cancel(self, handle: DeploymentResponse) -> None:

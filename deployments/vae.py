@@ -21,16 +21,20 @@ class VAE(StageDeployment):
     def __init__(self, config: PipelineConfig):
         super().__init__(lambda: build_vae_core(config, self.gang_factory(config.vae)))
 
-    async def decode(self, request_id: str, latents: Upstream, output: OutputMode = "pixels", preview: bool = False
-                     ) -> Decoded:
+    async def decode(self, request_id: str, latents: Upstream, output: OutputMode = "pixels", preview: bool = False,
+                     priority: int = 0, tenant: str = "") -> Decoded:
+        """The latents decoded in the VAE's batches, taken by ``priority`` and ``tenant``'s share."""
         resolved: Latents = await latents.resolve()
+        request = DecodeRequest(request_id, resolved, output, preview, priority, tenant)
         with self._lost_with_gang(StageCall.DECODE):
-            return await self._run(DecodeRequest(request_id, resolved, output, preview), "decoded", resolved.timings)
+            return await self._run(request, "decoded", resolved.timings)
 
     async def encode(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0,
-                     mask: np.ndarray | None = None) -> Latents:
+                     mask: np.ndarray | None = None, priority: int = 0, tenant: str = "") -> Latents:
         """An edit's input image (uint8 ``[H, W, 3]`` at its working size) to the latents the DiT edits with (a
         masked edit's start image, or a control image: a sample drawn with ``seed``, the ``draw``-th of its
-        generator; with ``mask``, an inpainting ControlNet's, masked and carrying the mask)."""
+        generator; with ``mask``, an inpainting ControlNet's, masked and carrying the mask); taken by ``priority``
+        and ``tenant``'s share."""
+        request = ImageEncodeRequest(request_id, image, seed, draw, mask, priority, tenant)
         with self._lost_with_gang(StageCall.ENCODE_IMAGE):
-            return await self._run(ImageEncodeRequest(request_id, image, seed, draw, mask), "encoded image")
+            return await self._run(request, "encoded image")

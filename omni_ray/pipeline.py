@@ -72,8 +72,9 @@ class LocalStages(Stages[object]):
         return await self.encoder.generate(request)
 
     def encode_image(self, request_id: str, image: np.ndarray, seed: int | None = None, draw: int = 0,
-                     mask: np.ndarray | None = None) -> asyncio.Future:
-        return asyncio.ensure_future(self.vae.generate(ImageEncodeRequest(request_id, image, seed, draw, mask)))
+                     mask: np.ndarray | None = None, *, priority: int = 0, tenant: str = "") -> asyncio.Future:
+        request = ImageEncodeRequest(request_id, image, seed, draw, mask, priority, tenant)
+        return asyncio.ensure_future(self.vae.generate(request))
 
     async def denoise(
         self, request_id: str, params: DenoiseParams, prompt: asyncio.Future, image_latents: tuple[asyncio.Future, ...],
@@ -92,8 +93,10 @@ class LocalStages(Stages[object]):
             async for item in self.dit.stream(request, timings):
                 yield item  # the engine's typed stream; its latents are the handles
 
-    async def decode(self, request_id: str, latents, output: OutputMode, preview: bool = False) -> Decoded:
-        return await self.vae.generate(DecodeRequest(request_id, latents, output, preview), upstream=latents.timings)
+    async def decode(self, request_id: str, latents, output: OutputMode, preview: bool = False, *, priority: int = 0,
+                     tenant: str = "") -> Decoded:
+        request = DecodeRequest(request_id, latents, output, preview, priority, tenant)
+        return await self.vae.generate(request, upstream=latents.timings)
 
     def cancel(self, handle) -> None:
         if isinstance(handle, asyncio.Future):

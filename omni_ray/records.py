@@ -119,6 +119,8 @@ class EncodeRequest:
     negative_prompt: str | None = None  # given only when the request runs true CFG
     images: tuple[np.ndarray, ...] = ()  # edits: the input images as the encoder reads them, uint8 [H, W, 3] each
     # (Qwen-Image 2.1: [H, W, 3] or RGBA [H, W, 4], at their working size; the encoder reads alpha over white)
+    priority: int = 0  # the request's (DenoiseParams.priority): lower runs first, in the encoder's queue too
+    tenant: str = ""  # whose share of the encoder it spends (DenoiseParams.tenant)
 
 
 @dataclass(slots=True)
@@ -131,6 +133,8 @@ class CaptionRequest:
     image: np.ndarray | None  # uint8 [H, W, 4] (or [H, W, 3]) at its working size, as the pipeline hands it to
     # Qwen2.5-VL's processor (which drops alpha: ``convert("RGB")``); None while it travels apart (``Stages.caption``)
     language: Literal["en", "zh"] = "en"
+    priority: int = 0  # as EncodeRequest's
+    tenant: str = ""
 
 
 @dataclass(slots=True)
@@ -332,6 +336,8 @@ class DecodeRequest:
     latents: Latents
     output: OutputMode = "pixels"
     preview: bool = False  # a streamed preview: decoded in batches of previews only, after waiting final images
+    priority: int = 0  # the request's (DenoiseParams.priority): lower runs first, in the VAE's queue too
+    tenant: str = ""  # whose share of the VAE it spends (DenoiseParams.tenant)
 
     @property
     def batch_key(self) -> tuple[str, int, int]:
@@ -351,6 +357,8 @@ class ImageEncodeRequest:
     draw: int = 0  # with seed: the sample is the generator's draw-th of this shape (a request's k-th control image)
     mask: np.ndarray | None = None  # an inpainting ControlNet's control mask, uint8 [H, W], 1 repaints: the image is
     # blacked out there before encoding, and the mask on the latent grid (kept: 1) rides as a 17th channel
+    priority: int = 0  # as DecodeRequest's
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.mask is not None and (self.seed is None or self.mask.shape != self.image.shape[:2]):

@@ -69,11 +69,12 @@ class Stages(ABC, Generic[Handle]):
 
     @abstractmethod
     def encode_image(self, request_id: str, image: Handle, seed: int | None = None, draw: int = 0,
-                     mask: Handle | None = None) -> Handle:
+                     mask: Handle | None = None, *, priority: int = 0, tenant: str = "") -> Handle:
         """Starts encoding one of an edit's input images to latents the DiT edits beside (the distribution's mode),
         or with ``seed`` a masked edit's start image or a control image (a sample drawn with it: the seed's
         generator's ``draw``-th of that shape, ``ImageEncodeRequest.draw``); with ``mask`` (stored by
-        ``put_image``), an inpainting ControlNet's control image and mask (``ImageEncodeRequest.mask``)."""
+        ``put_image``), an inpainting ControlNet's control image and mask (``ImageEncodeRequest.mask``). The VAE
+        takes it by ``priority`` and ``tenant``'s share, as every stage takes the request's work."""
 
     @abstractmethod
     def denoise(
@@ -85,9 +86,10 @@ class Stages(ABC, Generic[Handle]):
         the step has one), then ``Finished``; both carry handles to latents. Closing it aborts the call."""
 
     @abstractmethod
-    async def decode(self, request_id: str, latents: Handle, output: OutputMode, preview: bool = False) -> Decoded:
+    async def decode(self, request_id: str, latents: Handle, output: OutputMode, preview: bool = False, *,
+                     priority: int = 0, tenant: str = "") -> Decoded:
         """The image's result per ``output``: pixels, latents or both; a ``preview``'s pixels are decoded apart from
-        final images."""
+        final images. The VAE takes it by ``priority`` and ``tenant``'s share."""
 
     @abstractmethod
     def cancel(self, handle: Handle) -> None:
@@ -193,6 +195,7 @@ class _SharedInputs:
 
     def __init__(self, stages: Stages, plan: GenerationPlan, request_id: str, max_retries: int = 0):
         self.stages, self.plan, self.request_id, self.max_retries = stages, plan, request_id, max_retries
+        self.share = _share(plan)
         stored: dict[int, Handle] = {}
 
         def put(image: np.ndarray) -> Handle:
@@ -217,14 +220,15 @@ class _SharedInputs:
         request = self.plan.request
         negative = request.negative_prompt if self.plan.true_cfg else None
         prompt = self.caption.text if self.caption is not None else request.prompt
-        return self.stages.encode_prompt(EncodeRequest(self.request_id, prompt, negative), self.prompt_images)
+        return self.stages.encode_prompt(EncodeRequest(self.request_id, prompt, negative, **self.share),
+                                         self.prompt_images)
 
     async def _write_caption(self) -> None:
         """The caption a Layered request without a prompt is encoded from (the encoder's, of its input image), then
         the prompt's encoding started; a lost call is issued again up to ``limits.max_retries`` times."""
         retries = 0
         while True:
-            request = CaptionRequest(f"{self.request_id}-caption{retries or ''}", None, self.plan.caption)
+            request = CaptionRequest(f"{self.request_id}-caption{retries or ''}", None, self.plan.caption, **self.share)
             try:
                 self.caption = await self.stages.caption(request, self.images[0])
                 break
@@ -246,12 +250,12 @@ class _SharedInputs:
     def _encode_images(self) -> tuple[Handle, ...]:
         retry = f"-retry{self.image_encodes}" if self.image_encodes else ""
         self.image_encodes += 1
-        return tuple(self.stages.encode_image(f"{self.request_id}-input{i}{retry}", image)
+        return tuple(self.stages.encode_image(f"{self.request_id}-input{i}{retry}", image, **self.share)
                      for i, image in enumerate(self.images))
 
     def encode_start(self, image_id: str, seed: int) -> Handle:
         """A masked edit's start latents for one image: its first input image sampled with the image's seed."""
-        return self.stages.encode_image(f"{image_id}-start", self.images[0], seed)
+        return self.stages.encode_image(f"{image_id}-start", self.images[0], seed, **self.share)
 
     def encode_controls(self, image_id: str, seed: int) -> tuple[Handle, ...]:
         """An image's control images' latents, each sampled with the image's seed: a plain control's after as many
@@ -263,7 +267,7 @@ class _SharedInputs:
         for k, (image, mask) in enumerate(zip(self.control_images, self.control_masks)):
             masked = mask is not None
             handles.append(self.stages.encode_image(f"{image_id}-control{k}", image, seed, draw=drawn[masked],
-                                                    **({"mask": mask} if masked else {})))
+                                                    **({"mask": mask} if masked else {}), **self.share))
             drawn[masked] += 1
         return tuple(handles)
 
@@ -306,7 +310,7 @@ async def _run_image(
     controls: tuple[Handle, ...] = ()
     try:
         params = plan.denoise_params(index)
-        previews = _Previews(stages, index, emit, len(params.previews))
+        previews = _Previews(stages, index, emit, len(params.previews), inputs.share)
         start = inputs.encode_start(image_id, params.seed) if inputs.masked else None
         controls = inputs.encode_controls(image_id, params.seed)
         await inputs.ready()
@@ -322,7 +326,7 @@ async def _run_image(
                             previews.decode(call_id, event.result)
                         else:
                             latents = event.result
-                result = await stages.decode(call_id, latents, output)
+                result = await stages.decode(call_id, latents, output, **inputs.share)
                 if inputs.caption is not None:
                     result.revised_prompt = inputs.caption.text
                 await previews.finish()  # previews come before the image
@@ -364,8 +368,8 @@ class _Previews:
     on, and emitted in order as they are done. A preview is best effort: one that fails (its VAE replica lost, say)
     is skipped, and the image goes on."""
 
-    def __init__(self, stages: Stages, index: int, emit, count: int):
-        self.stages, self.index, self.emit, self.count = stages, index, emit, count
+    def __init__(self, stages: Stages, index: int, emit, count: int, share: dict):
+        self.stages, self.index, self.emit, self.count, self.share = stages, index, emit, count, share
         self.decodes: list[asyncio.Future] = []
         self.emitted: list[asyncio.Future] = []
 
@@ -374,7 +378,7 @@ class _Previews:
         if number >= self.count:  # a denoise issued again after a lost replica previews its steps again
             return
         self.decodes.append(asyncio.ensure_future(self.stages.decode(f"{call_id}-preview{number}", latents, "pixels",
-                                                                 preview=True)))
+                                                                 preview=True, **self.share)))
         before = self.emitted[-1] if self.emitted else None
         self.emitted.append(asyncio.ensure_future(self._emit(number, before)))
 
@@ -396,3 +400,9 @@ class _Previews:
     def cancel(self) -> None:
         for task in self.decodes + self.emitted:
             task.cancel()
+
+
+def _share(plan: GenerationPlan) -> dict:
+    """The keywords every stage call of the request carries, so that each stage's queue takes it by its priority and
+    its tenant's share, as the DiT does (``DenoiseParams.priority``, ``.tenant``)."""
+    return {"priority": plan.request.priority, "tenant": plan.tenant}

@@ -20,6 +20,7 @@ class Call:
 
     def __init__(self, name, args):
         self.name, self.args, self.cancelled = name, args, False
+        self.share: tuple[int, str] | None = None  # (priority, tenant) a VAE call was given
 
     def __repr__(self):
         return f"Call({self.name})"
@@ -59,9 +60,10 @@ class FakeStages(Stages[Call]):
             self.lost.add(id(call))
         return call
 
-    def encode_image(self, request_id, image, seed=None, draw=0, mask=None):
+    def encode_image(self, request_id, image, seed=None, draw=0, mask=None, *, priority=0, tenant=""):
         call = self._call("encode_image", request_id, image, *([seed, draw] if seed is not None else []),
                           *([mask] if mask is not None else []))
+        call.share = (priority, tenant)
         if self._loses("encode_image"):
             self.lost.add(id(call))
         return call
@@ -101,8 +103,9 @@ class FakeStages(Stages[Call]):
             raise StageLostError("dit", StageCall.DENOISE)
         yield Finished(call)
 
-    async def decode(self, request_id, latents, output, preview=False):
+    async def decode(self, request_id, latents, output, preview=False, *, priority=0, tenant=""):
         call = self._call("decode", request_id, latents, output)
+        call.share = (priority, tenant)
         await self._run(call)
         if self._loses("decode"):
             raise StageLostError("vae", StageCall.DECODE)

@@ -146,11 +146,12 @@ def test_a_refused_text_leaves_nothing_behind_and_a_failed_step_spares_cached_re
     tokenizer = PromptTokenizer(str(tiny_dir))
     refused = min(set(tokenizer.tokenize("zebra")) - set(tokenizer.tokenize("a cat a dog")))  # only zebra's
     core = EncoderEngineCore(tokenizer, FakeEncoder(refused), cache=PromptCache(1 << 20, "m", "t"))
-    with pytest.raises(ValueError):
-        core.add_request(EncodeRequest("a", "a cat", "zebra"))  # its prompt went to the encoder, then its negative
+    core.add_request(EncodeRequest("a", "a cat", "zebra"))
+    (failed,) = core.step()  # its prompt went to the encoder, then its negative was refused: it fails alone
+    assert failed.request_id == "a" and failed.finish_reason == "error" and "refused" in str(failed.error)
     assert not core.pending and not core.sequences and not core.running and not core.encoder.waiting
     core.add_request(EncodeRequest("b", "a cat"))  # the same text again: encoded, not left waiting on a ghost
-    assert list(core.encoder.waiting) == ["b/prompt"]
+    assert list(core.sequences) == ["b/prompt"] and not core.encoder.waiting  # it waits in the core for a step
     (done,) = core.step()
     assert done.request_id == "b" and not core.has_unfinished_requests()
 

@@ -3,6 +3,7 @@ fan-out, retries of lost calls, failures, the deadline and cancellation. The eng
 test_serve.py runs the same path over the real stage deployments."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -91,6 +92,19 @@ def test_a_masked_edit_samples_a_start_per_image_and_a_lost_one_is_encoded_again
         assert start.name == "encode_image" and call.args[3] == ((start,) if conditions else ())
         assert call.args[1].first_step == 2 and call.args[1].steps_run == 2  # strength 0.5 of 4 steps
     assert [e.total for e in events if isinstance(e, Progress)] == [2] * 4
+
+
+def test_every_stage_call_carries_the_request_s_priority_and_tenant():
+    """The encoder's and the VAE's queues take work by them, as the DiT does (``DenoiseParams``)."""
+    stages = FakeStages()
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    urgent = dataclasses.replace(plan(image=pixels, n=2, priority=-1, stream=True, partial_images=1), tenant="acme")
+    run(stages, urgent)
+    (encode,) = stages.calls_to("encode_prompt")
+    assert (encode.args[0].priority, encode.args[0].tenant) == (-1, "acme")
+    assert {(call.args[1].priority, call.args[1].tenant) for call in stages.calls_to("denoise")} == {(-1, "acme")}
+    vae = stages.calls_to("encode_image") + stages.calls_to("decode")
+    assert len(vae) == 1 + 2 * 2 and {call.share for call in vae} == {(-1, "acme")}  # previews too
 
 
 def test_output_mode_reaches_the_decode():

@@ -72,7 +72,7 @@ def run(scheduler, runner, num_steps):
 
 def assert_no_trace(scheduler, runner):
     assert not scheduler.has_requests()
-    held = (scheduler.entries, scheduler.last_served, scheduler.tenant_served)
+    held = (scheduler.entries, scheduler.last_served, scheduler.shares.served)
     assert not any(held) and scheduler.freed_ids == []
     assert runner.steps == {}
 

@@ -90,7 +90,7 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
             caption_cache = CaptionCache(checkpoint, stage.caption_max_tokens)
     caption_tokenizer = CaptionTokenizer(config.model) if captions else None
     return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache, captioner, caption_tokenizer,
-                             caption_cache)
+                             caption_cache, stage.max_num_seqs)
 
 
 # Captions read the input image at its working size: about the largest resolution bucket's area, at any aspect ratio.

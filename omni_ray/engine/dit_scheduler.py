@@ -15,10 +15,10 @@ aging: the oldest key's requests in arrival order, up to ``max_batch_size``).
   turn holds as much work whatever the split, so a gang's rows step over two large rows does not make it longer.
 - **Rows.** The key's requests by effective priority; within a priority, each row goes to the tenant that has used
   the DiT least lately at that priority (its rows' tokens over recent steps, ``USAGE_HALFLIFE_STEPS``, plus those it
-  took in this step; a tenant's batch jobs do not slow its interactive requests), so a tenant sending a tenth of
-  another's requests gets its rows first and a flood shares the rest; a tenant's admitted requests go before its
-  waiting ones, oldest first. Rows are added while the step stays within ``max_batch_size`` requests and the
-  policy's ``max_batch_tokens`` tokens (``DenoiseRequest.work_tokens``; the first row always runs). A running
+  took in this step: ``FairShare``, the rule every stage's queue follows, omni_ray/engine/fair_share.py), so a tenant
+  sending a tenth of another's requests gets its rows first and a flood shares the rest; a tenant's admitted requests
+  go before its waiting ones, oldest first. Rows are added while the step stays within ``max_batch_size`` requests
+  and the policy's ``max_batch_tokens`` tokens (``DenoiseRequest.work_tokens``; the first row always runs). A running
   request that loses its row to a more urgent one, or to another tenant's turn, is paused: its state stays in the
   runner.
 - **Paused.** A step admits no new request while more than the policy's ``max_paused`` admitted ones would sit
@@ -42,12 +42,13 @@ aging: the oldest key's requests in arrival order, up to ``max_batch_size``).
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from omni_ray.engine.dit_policy import PriorityPolicy, SchedulingPolicy
 from omni_ray.engine.dit_split import FixedSplit, Split, SplitPolicy, StepPlan
+from omni_ray.engine.fair_share import FairShare
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
 from omni_ray.engine.stats import ConditionCacheStats
@@ -93,8 +94,7 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self.shapes = self.split.shapes(max_batch_size, self.policy.max_batch_tokens)
         self.entries: dict[str, _Entry] = {}  # every unfinished request, in arrival order
         self.last_served: dict[BatchKey, float] = {}  # key -> turns run when it last ran (its step included)
-        self.tenant_served: dict[str, int] = {}  # tenant -> steps run when it last had a row
-        self.usage: dict[tuple[int, str], float] = {}  # (priority, tenant) -> tokens its rows took, decayed
+        self.shares = FairShare(USAGE_HALFLIFE_STEPS)  # tenants' recent use of the DiT: their rows' tokens
         self.freed_ids: list[str] = []  # left the runner's care since the last step
         self.current_key: BatchKey | None = None
         self.num_steps = 0
@@ -167,13 +167,9 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         ran = {id(entry) for entry in rows}
         self.passed_over = [e for e in self.entries.values() if e.priority > most_urgent and id(e) not in ran]
         new = [entry.request for entry in rows if not entry.admitted]
-        decay = 0.5 ** (1 / USAGE_HALFLIFE_STEPS)
-        self.usage = {who: used * decay for who, used in self.usage.items() if used * decay >= 1}
+        self.shares.charge(rows, cost=_tokens)
         for entry in rows:
             entry.admitted = True
-            self.tenant_served[entry.tenant] = self.num_steps
-            who = (entry.priority, entry.tenant)
-            self.usage[who] = self.usage.get(who, 0.0) + entry.tokens
         self.current_key = rows[0].key
         self.last_served[self.current_key] = self.num_turns
         self.last_step_tokens = plan.tokens
@@ -255,22 +251,8 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def _in_turn(self, entries: list[_Entry], urgency: dict[int, int], limit: int) -> list[_Entry]:
         """Up to ``limit`` of ``entries`` in the order a step takes rows: by urgency; within it, each to the tenant
         that used the DiT least lately, a tenant's admitted requests before its waiting ones, oldest first."""
-        classes: dict[int, dict[str, deque[_Entry]]] = defaultdict(lambda: defaultdict(deque))
-        for entry in sorted(entries, key=lambda e: (urgency[id(e)], not e.admitted, e.seq)):
-            classes[urgency[id(entry)]][entry.tenant].append(entry)  # dicts keep order: admitted, then oldest
-        rows: list[_Entry] = []
-        taken: Counter[str] = Counter()  # tokens each tenant took in this step
-        for level in sorted(classes):
-            queues = classes[level]
-            while queues and len(rows) < limit:
-                tenant = min(queues, key=lambda t: (self.usage.get((queues[t][0].priority, t), 0.0) + taken[t],
-                                                    self.tenant_served.get(t, -1)))
-                entry = queues[tenant].popleft()
-                rows.append(entry)
-                taken[tenant] += entry.tokens
-                if not queues[tenant]:
-                    del queues[tenant]
-        return rows
+        mine = sorted(entries, key=lambda e: (not e.admitted, e.seq))  # a tenant's own order
+        return self.shares.in_turn(mine, _tokens, limit, level=lambda e: urgency[id(e)])
 
     def _age(self) -> None:
         """Adds the time since the last step to the requests that step passed over for more urgent ones."""
@@ -315,8 +297,10 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
     def _forget_idle_keys(self) -> None:
         """Keeps no trace of keys and tenants without requests."""
         keys = {entry.key for entry in self.entries.values()}
-        tenants = {entry.tenant for entry in self.entries.values()}
         for key in [key for key in self.last_served if key not in keys]:
             del self.last_served[key]
-        for tenant in [tenant for tenant in self.tenant_served if tenant not in tenants]:
-            del self.tenant_served[tenant]
+        self.shares.forget({entry.tenant for entry in self.entries.values()})
+
+
+def _tokens(entry: _Entry) -> int:
+    return entry.tokens

@@ -1,10 +1,20 @@
 """The encoder's engine core: vLLM's ``EngineCore`` under our engine contract.
 
-vLLM schedules and batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and
-the negative prompt for true CFG; for an edit each with the input images), and returns the request once all its
-texts are encoded, template dropped (for Qwen-Image 2.1 with the image slots its tokenizer marks,
+vLLM batches; this core turns an ``EncodeRequest`` into one vLLM sequence per text (the prompt, and the negative
+prompt for true CFG; for an edit each with the input images), and returns the request once all its texts are
+encoded, template dropped (for Qwen-Image 2.1 with the image slots its tokenizer marks,
 ``Qwen21Tokenizer.image_slots``). With the prompt cache on (``encoder.cache_bytes``), a text whose embeddings it
-holds is not encoded again, and one identical to a text vLLM is encoding waits for that one.
+holds is not encoded again, and one identical to a text waiting or being encoded waits for that one.
+
+The core keeps the waiting texts itself and hands vLLM at most what vLLM runs at once: ``max_num_seqs`` sequences in
+flight (captions counted in their own engine). At each step it fills the free seats in the order every stage takes
+work (``FairShare``, omni_ray/engine/fair_share.py): by the request's priority, then each turn to the tenant that
+used the encoder least lately (its texts' tokens), then by arrival. So an urgent request never waits behind more
+than the sequences already in flight, and a light tenant's texts go in the next free seats behind a flood. vLLM's
+own V1 scheduler would serve its waiting queue first come first served, or by (priority, arrival) with
+``policy="priority"``, but it knows no tenants and the other encoders (transformers', the simulated one) no
+priorities: one order, here, serves them all. A text vLLM refuses as it is handed over (its images, say) fails its
+requests alone.
 
 Qwen-Image-Layered's ``CaptionRequest`` (a request without a prompt) runs on the encoder's captioner, a generating
 engine beside the pooling one (``VllmCaptioner``): its caption template's ids with the image, greedy, to a
@@ -15,16 +25,18 @@ written waits for it. Both engines step in each step of this core.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
 from omni_ray.engine.caption_cache import CaptionCache
+from omni_ray.engine.fair_share import FairShare
 from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.prompt_cache import PromptCache, copy_embeds
 from omni_ray.engine.stats import EncoderStats, PromptCacheStats
-from omni_ray.errors import EngineError
+from omni_ray.errors import EngineError, request_failure
 from omni_ray.qwen_image import PromptTemplate
 from omni_ray.records import Caption, CaptionRequest, EncodedPrompt, EncodeRequest, PromptEmbeds
 from omni_ray.tokenizer import CaptionTokenizer, PromptTokenizer
@@ -61,41 +73,71 @@ class Part(enum.Enum):
 
 @dataclass(slots=True)
 class _Sequence:
-    """One text in vLLM, and the request parts waiting for its embeddings (several when identical texts arrived
-    while it ran)."""
+    """One text, waiting in the core or in vLLM, and the request parts waiting for its embeddings (several when
+    identical texts arrived before it was done)."""
 
+    sequence_id: str  # vLLM's request id
     key: bytes | None  # its prompt-cache key
     readers: list[tuple[str, Part]]  # (request id, part)
+    token_ids: list[int]
+    images: tuple[np.ndarray, ...]
+    priority: int  # its most urgent reader's
+    tenant: str  # that reader's
     image_slots: np.ndarray | None = None  # Qwen-Image 2.1: its tokens that are image slots, after the drop
+    in_flight: bool = False  # handed to the encoder
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [request_id for request_id, _ in self.readers]
 
 
 @dataclass(slots=True)
 class _Captioning:
-    """One caption the captioner writes, and the requests waiting for it (several when the same image arrived while
-    it ran)."""
+    """One caption, waiting in the core or being written, and the requests waiting for it (several when the same
+    image arrived before it was done)."""
 
+    sequence_id: str  # the captioner's request id
     key: bytes | None  # its caption-cache key
     readers: list[str]  # request ids
+    token_ids: list[int]
+    image: np.ndarray
+    priority: int  # its most urgent reader's
+    tenant: str  # that reader's
+    in_flight: bool = False  # handed to the captioner
+
+    @property
+    def request_ids(self) -> list[str]:
+        return self.readers
+
+
+Work = TypeVar("Work", _Sequence, _Captioning)
 
 
 class EncoderEngineCore:
     def __init__(self, tokenizer: PromptTokenizer, encoder: SequenceEncoder, max_sequence_length: int = 512,
                  cache: PromptCache | None = None, captioner: Captioner | None = None,
-                 caption_tokenizer: CaptionTokenizer | None = None, caption_cache: CaptionCache | None = None):
+                 caption_tokenizer: CaptionTokenizer | None = None, caption_cache: CaptionCache | None = None,
+                 max_num_seqs: int = 8):
+        """``max_num_seqs``: the sequences the encoder (and, apart, the captioner) runs at once, vLLM's own
+        bound: the most this core hands it."""
+        assert max_num_seqs > 0
         self.tokenizer = tokenizer
         self.encoder = encoder
         self.max_sequence_length = max_sequence_length
+        self.max_num_seqs = max_num_seqs
         self.cache = cache  # texts encoded before: their embeddings without running the encoder
         self.pending: dict[str, dict[Part, PromptEmbeds | None]] = {}  # request id -> part -> embeds once done
-        self.sequences: dict[str, _Sequence] = {}  # sequence id -> the text vLLM runs, while it runs
-        self.running: dict[bytes, str] = {}  # cache key -> the sequence id encoding it
+        self.sequences: dict[str, _Sequence] = {}  # sequence id -> a text waiting or in vLLM, in arrival order
+        self.running: dict[bytes, str] = {}  # cache key -> the sequence id encoding it (waiting or in vLLM)
+        self.shares = FairShare()  # tenants' recent use of the encoder: their texts' tokens
         self.num_encoded = 0  # sequences the encoder ran
         self.captioner = captioner  # Qwen-Image-Layered's; None where the preset writes no captions
         self.caption_tokenizer = caption_tokenizer
         self.caption_cache = caption_cache
         self.pending_captions: dict[str, Caption | None] = {}  # request id -> its caption once written
-        self.captioning: dict[str, _Captioning] = {}  # sequence id -> the caption the captioner writes
+        self.captioning: dict[str, _Captioning] = {}  # sequence id -> a caption waiting or being written
         self.running_captions: dict[bytes, str] = {}  # caption-cache key -> the sequence id writing it
+        self.caption_shares = FairShare()  # tenants' recent use of the captioner
         self.num_captioned = 0  # captions the captioner wrote
 
     def add_request(self, request: EncodeRequest | CaptionRequest) -> None:
@@ -113,32 +155,34 @@ class EncoderEngineCore:
         try:
             for part, ids in token_ids.items():
                 self._add_text(request, part, ids, image_digest)
-        except Exception:  # vLLM refused a text (its images, say): nothing of the request stays behind
+        except Exception:  # the tokenizer refused a text (its images, say): nothing of the request stays behind
             self.abort_requests([request.request_id])
             raise
 
     def _add_text(self, request: EncodeRequest, part: Part, token_ids: list[int], image_digest: bytes | None
                   ) -> None:
-        """The text's embeddings from the cache; else it joins the identical text vLLM is encoding; else it goes to
-        vLLM."""
+        """The text's embeddings from the cache; else it joins the identical text waiting or being encoded (lifting
+        it to the request's priority); else it waits for a seat in vLLM."""
         key = self.cache.key(token_ids, image_digest) if self.cache is not None else None
         reader = (request.request_id, part)
         self.pending[request.request_id][part] = self.cache.get(key) if key is not None else None
         if self.pending[request.request_id][part] is not None:
             return
         if key in self.running:
-            self.sequences[self.running[key]].readers.append(reader)
+            sequence = self.sequences[self.running[key]]
+            sequence.readers.append(reader)
+            _lift(sequence, request)
             return
         sequence_id = f"{request.request_id}/{part.value}"  # unique: vLLM's own request id
         slots = self.tokenizer.image_slots(token_ids, tuple(image.shape[:2] for image in request.images))
-        self.encoder.add(sequence_id, token_ids, request.images)
-        self.sequences[sequence_id] = _Sequence(key, [reader], slots)
+        self.sequences[sequence_id] = _Sequence(sequence_id, key, [reader], token_ids, request.images,
+                                                request.priority, request.tenant, slots)
         if key is not None:
             self.running[key] = sequence_id
 
     def _add_caption(self, request: CaptionRequest) -> None:
-        """The image's caption from the cache; else it joins the same caption being written; else the captioner
-        writes it."""
+        """The image's caption from the cache; else it joins the same caption waiting or being written (lifting it
+        to the request's priority); else it waits for a seat in the captioner."""
         if self.captioner is None:
             raise EngineError("this encoder writes no captions (only a qwen-image-layered preset's does)")
         key = self.caption_cache.key(request.image, request.language) if self.caption_cache is not None else None
@@ -146,15 +190,14 @@ class EncoderEngineCore:
         if self.pending_captions[request.request_id] is not None:
             return
         if key in self.running_captions:
-            self.captioning[self.running_captions[key]].readers.append(request.request_id)
+            captioning = self.captioning[self.running_captions[key]]
+            captioning.readers.append(request.request_id)
+            _lift(captioning, request)
             return
         sequence_id = f"{request.request_id}/caption"
-        try:
-            self.captioner.add(sequence_id, self.caption_tokenizer.tokenize(request.language), request.image)
-        except Exception:  # vLLM refused it (its image, say)
-            del self.pending_captions[request.request_id]
-            raise
-        self.captioning[sequence_id] = _Captioning(key, [request.request_id])
+        token_ids = self.caption_tokenizer.tokenize(request.language)
+        self.captioning[sequence_id] = _Captioning(sequence_id, key, [request.request_id], token_ids, request.image,
+                                                   request.priority, request.tenant)
         if key is not None:
             self.running_captions[key] = sequence_id
 
@@ -168,36 +211,66 @@ class EncoderEngineCore:
             sequence.readers = [reader for reader in sequence.readers if reader[0] not in aborted]
             if not sequence.readers:
                 unread.append(sequence_id)
-        for sequence_id in unread:
-            self._forget(sequence_id)
-        if unread:
-            self.encoder.abort(unread)
+        in_vllm = [sequence_id for sequence_id in unread if self._forget(sequence_id).in_flight]
+        if in_vllm:
+            self.encoder.abort(in_vllm)
         unread = []
         for sequence_id, caption in self.captioning.items():
             caption.readers = [reader for reader in caption.readers if reader not in aborted]
             if not caption.readers:
                 unread.append(sequence_id)
-        for sequence_id in unread:
-            self._forget_caption(sequence_id)
-        if unread:
-            self.captioner.abort(unread)
+        in_vllm = [sequence_id for sequence_id in unread if self._forget_caption(sequence_id).in_flight]
+        if in_vllm:
+            self.captioner.abort(in_vllm)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending or self.pending_captions)
 
     def step(self) -> list[EngineCoreOutput]:
-        """One step of each engine that has work: the pooling engine's texts, the captioner's captions."""
-        if self.sequences:
+        """Hands each engine the waiting work its free seats take, then one step of each engine that has work: the
+        pooling engine's texts, the captioner's captions."""
+        refused = self._hand_over(self.sequences, self.shares, self._to_encoder)
+        refused += self._hand_over(self.captioning, self.caption_shares, self._to_captioner)
+        if any(sequence.in_flight for sequence in self.sequences.values()):
             self._step_encoder()
-        if self.captioning:
+        if any(caption.in_flight for caption in self.captioning.values()):
             self._step_captioner()
-        return self._finished_prompts() + self._finished_captions()
+        return refused + self._finished_prompts() + self._finished_captions()
+
+    def _hand_over(self, queue: dict[str, Work], shares: FairShare, add: Callable[[Work], None]
+                   ) -> list[EngineCoreOutput]:
+        """Fills the engine's free seats (``max_num_seqs`` in flight) from ``queue`` in turn order; a text the
+        engine refuses fails its requests alone."""
+        seats = self.max_num_seqs - sum(work.in_flight for work in queue.values())
+        handed, refused = [], {}
+        for work in shares.in_turn([work for work in queue.values() if not work.in_flight], _tokens):
+            if len(handed) == seats:
+                break
+            try:
+                add(work)
+            except Exception as err:  # vLLM's input processing refused it (its images, say)
+                refused.update(dict.fromkeys(work.request_ids, request_failure(err)))
+                continue
+            work.in_flight = True
+            handed.append(work)
+        if handed:
+            shares.charge(handed, _tokens)
+        if refused:
+            self.abort_requests(list(refused))
+        return [EngineCoreOutput.failed(request_id, error) for request_id, error in refused.items()]
+
+    def _to_encoder(self, sequence: _Sequence) -> None:
+        self.encoder.add(sequence.sequence_id, sequence.token_ids, sequence.images)
+
+    def _to_captioner(self, captioning: _Captioning) -> None:
+        self.captioner.add(captioning.sequence_id, captioning.token_ids, captioning.image)
 
     def _step_encoder(self) -> None:
         try:
             finished = self.encoder.step()
-        except Exception as err:  # vLLM may have run any of its texts; requests served from the cache wait
-            raise StepError(sorted({rid for seq in self.sequences.values() for rid, _ in seq.readers})) from err
+        except Exception as err:  # vLLM may have run any of its texts; waiting ones and cache hits wait on
+            raise StepError(sorted({rid for seq in self.sequences.values() if seq.in_flight
+                                    for rid in seq.request_ids})) from err
         for sequence_id, hidden in finished.items():
             if sequence_id not in self.sequences:  # aborted while vLLM ran it
                 continue
@@ -213,7 +286,8 @@ class EncoderEngineCore:
         try:
             finished = self.captioner.step()
         except Exception as err:
-            raise StepError(sorted({rid for caption in self.captioning.values() for rid in caption.readers})) from err
+            raise StepError(sorted({rid for caption in self.captioning.values() if caption.in_flight
+                                    for rid in caption.readers})) from err
         for sequence_id, token_ids in finished.items():
             if sequence_id not in self.captioning:  # aborted while it ran
                 continue
@@ -263,6 +337,16 @@ class EncoderEngineCore:
         self.encoder.shutdown()
         if self.captioner is not None and self.captioner is not getattr(self.encoder, "captioner", None):
             self.captioner.shutdown()  # a captioner of its own (the encoder shuts its own down)
+
+
+def _lift(work: _Sequence | _Captioning, request: EncodeRequest | CaptionRequest) -> None:
+    """A text or caption another request also waits for takes that request's priority when it is more urgent."""
+    if request.priority < work.priority:
+        work.priority, work.tenant = request.priority, request.tenant
+
+
+def _tokens(work: _Sequence | _Captioning) -> int:
+    return len(work.token_ids)
 
 
 def to_prompt_embeds(hidden: torch.Tensor, template: PromptTemplate, max_sequence_length: int,
