@@ -42,7 +42,9 @@ from deployments.http.api_keys import ApiKeys
 from deployments.http.page import WEB_FILES, page_html
 from deployments.http.routes import build_api
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
+from deployments.ray_private import serve_tracing_enabled
 from deployments.stages import ServeStages
+from omni_ray import tracing
 from omni_ray.api.images import (
     base64_limit,
     composite,
@@ -94,6 +96,8 @@ class CrossEngineCoordinator:
         """Serve builds one in each coordinator replica, over the stage deployments' handles (``app.build_app``),
         with the app's run-time adapters in the cluster's key-value store and the API keys of its process's
         ``OMNI_RAY_API_KEY``; it watches its own event loop and collects garbage when idle."""
+        if serve_tracing_enabled():
+            tracing.enable()  # spans for Ray Serve's exporter (omni_ray.tracing)
         self._setup(ServeStages(encoder, dit, vae), config, ClusterAdapters(serve.get_replica_context().app_name),
                     ApiKeys.from_env(), _deployments_without_replicas)
         # Serve runs the constructor on the event loop that serves the requests: the one to watch.
@@ -114,7 +118,7 @@ class CrossEngineCoordinator:
 
     def _setup(self, stages: Stages, config: PipelineConfig, adapters: AdapterStore, api_keys: ApiKeys,
                unready: Callable[[], list[str]]) -> None:
-        self.stages = stages
+        self.stages = tracing.traced(stages)  # itself unless tracing is on
         self.config = config
         self.tokenizer = tokenizer_for(config)  # counts a prompt's tokens
         self.adapters = Adapters(config, adapters, started=int(time.time()))
@@ -305,7 +309,8 @@ class CrossEngineCoordinator:
         start = time.perf_counter()
         self.in_flight += 1
         try:
-            async for event in run_request(self.stages, plan, request_id, self.config.requests):
+            async for event in tracing.traced_request(run_request(self.stages, plan, request_id, self.config.requests),
+                                                      plan, request_id):
                 if isinstance(event, Failed):
                     _count_failure(event.error)
                     logger.warning("request %s failed: %s", request_id, event.error)

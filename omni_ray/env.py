@@ -12,3 +12,13 @@ def api_keys(environ: Mapping[str, str] = os.environ) -> list[str]:
     """The keys ``OMNI_RAY_API_KEY`` names: one, or several separated by commas (blanks around them dropped); none
     when it is unset."""
     return [key.strip() for key in environ.get(API_KEY, "").split(",") if key.strip()]
+
+
+TRACE_DIR = "OMNI_RAY_TRACE_DIR"  # where omni_ray.tracing.export:jsonl writes each process's spans
+
+
+def trace_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """The directory ``OMNI_RAY_TRACE_DIR`` names for span files; ``<tmp>/omni-ray-spans`` when it is unset."""
+    import tempfile
+
+    return environ.get(TRACE_DIR) or os.path.join(tempfile.gettempdir(), "omni-ray-spans")
