@@ -24,6 +24,8 @@ class TracedStages(Stages):
         self.stages, self.tracer = stages, tracer
 
     def __getattr__(self, name: str):  # what the wrapped stages offer beyond the protocol (``shutdown``, say)
+        if name == "stages":  # not set yet
+            raise AttributeError(name)
         return getattr(self.stages, name)
 
     def _span(self, name: str, stage: str, call_id: str, **attributes) -> Span:
