@@ -50,7 +50,9 @@ from deployments.http.quotas import NO_LEASE, ClusterQuotas, Lease, Quotas
 from deployments.http.routes import build_api
 from deployments.priority_slots import PrioritySlots
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
+from deployments.ray_private import serve_tracing_enabled
 from deployments.stages import ServeStages
+from omni_ray import tracing
 from omni_ray.api.images import (
     base64_limit,
     composite,
@@ -105,6 +107,8 @@ class CrossEngineCoordinator:
         with the app's run-time adapters in the cluster's key-value store and the API keys of its process's
         ``OMNI_RAY_API_KEY``, and the keys' quotas (``OMNI_RAY_KEY_LIMITS``) counted in the app's ledger actor;
         it watches its own event loop and collects garbage when idle."""
+        if serve_tracing_enabled():
+            tracing.enable()  # spans for Ray Serve's exporter (omni_ray.tracing)
         app_name, api_keys = serve.get_replica_context().app_name, ApiKeys.from_env()
         quotas = Quotas.from_env(api_keys.count, lambda: ClusterQuotas(app_name))
         self._setup(ServeStages(encoder, dit, vae), config, ClusterAdapters(app_name), api_keys,
@@ -127,7 +131,7 @@ class CrossEngineCoordinator:
 
     def _setup(self, stages: Stages, config: PipelineConfig, adapters: AdapterStore, api_keys: ApiKeys,
                unready: Callable[[], list[str]], quotas: Quotas) -> None:
-        self.stages = stages
+        self.stages = tracing.traced(stages)  # itself unless tracing is on
         self.config = config
         self.tokenizer = tokenizer_for(config)  # counts a prompt's tokens
         self.adapters = Adapters(config, adapters, started=int(time.time()))
@@ -330,7 +334,8 @@ class CrossEngineCoordinator:
         start = time.perf_counter()
         self.in_flight += 1
         try:
-            async for event in run_request(self.stages, plan, request_id, self.config.requests):
+            async for event in tracing.traced_request(run_request(self.stages, plan, request_id, self.config.requests),
+                                                      plan, request_id):
                 if isinstance(event, Failed):
                     _count_failure(event.error)
                     logger.warning("request %s failed: %s", request_id, event.error)

@@ -52,3 +52,11 @@ async def kv_items(prefix: str, namespace: str) -> dict[str, bytes]:
     keys = await client.async_internal_kv_keys(prefix.encode(), space, timeout=KV_TIMEOUT_S)
     values = await client.async_internal_kv_multi_get(keys, space, timeout=KV_TIMEOUT_S) if keys else {}
     return {key.decode(): value for key, value in values.items()}
+
+
+def serve_tracing_enabled() -> bool:
+    """Whether Ray Serve set up tracing in this process (its ``tracing_config``, or ``RAY_SERVE_TRACING_*``): a
+    replica's is set up before its deployment's constructor runs."""
+    from ray.serve._private.tracing_utils import is_tracing_enabled
+
+    return is_tracing_enabled()

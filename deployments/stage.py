@@ -23,6 +23,8 @@ import torch  # noqa: F401  (imported before the first call: unpickling a tensor
 from deployments import metrics
 from deployments.gang import RayExecutor
 from deployments.process import freeze_startup_heap
+from deployments.ray_private import serve_tracing_enabled
+from omni_ray import tracing
 from omni_ray.config import DiTConfig, VAEConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.executor import ExecutorFactory, RunnerFactory
@@ -41,6 +43,8 @@ class StageDeployment:
     stage = ""
 
     def __init__(self, build_core):
+        if serve_tracing_enabled():
+            tracing.enable()  # a span per engine request, for Ray Serve's exporter (omni_ray.tracing)
         self.gang: RayExecutor | None = None  # set while ``build_core`` starts one (``gang_factory``)
         self.tags = {"stage": self.stage}
         self.last_step_at = 0.0  # monotonic
@@ -84,7 +88,7 @@ class StageDeployment:
     async def _stream(self, request, what: str, upstream: dict[str, float] | None = None) -> AsyncIterator:
         """As ``_run``, yielding the engine's typed stream: ``StepDone`` and ``Preview`` items, then ``Finished``."""
         try:
-            async for item in self.engine.stream(request, upstream):
+            async for item in tracing.traced_stream(self.stage, request, self.engine.stream(request, upstream)):
                 if isinstance(item, Finished):
                     seconds = item.result.timings[request.timing]
                     metrics.stage_request_latency.observe(seconds, tags=self.tags)

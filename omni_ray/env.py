@@ -32,3 +32,13 @@ def key_limits(environ: Mapping[str, str] = os.environ) -> str | None:
         except FileNotFoundError:
             return None
     return text or None
+
+
+TRACE_DIR = "OMNI_RAY_TRACE_DIR"  # where omni_ray.tracing.export:jsonl writes each process's spans
+
+
+def trace_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """The directory ``OMNI_RAY_TRACE_DIR`` names for span files; ``<tmp>/omni-ray-spans`` when it is unset."""
+    import tempfile
+
+    return environ.get(TRACE_DIR) or os.path.join(tempfile.gettempdir(), "omni-ray-spans")
