@@ -154,7 +154,6 @@ def test_the_app_answers_while_the_gcs_is_down_and_the_controller_recovers(tiny_
             # 3. The controller does the work that needs the GCS again: a replica killed now is replaced (a new
             # actor), and the app answers through the new one.
             replaced_in = replace_a_replica(served, "VAE")
-            cluster = served
         lost = [s for s in sent if s.problem is not None]
         summary = (f"{len(sent)} requests sent ({sum(s.streamed for s in sent)} streamed), {len(lost)} lost; "
                    f"GCS down {up_at - down_at:.1f} s: {len(during)} sent and answered in the outage "
@@ -167,7 +166,7 @@ def test_the_app_answers_while_the_gcs_is_down_and_the_controller_recovers(tiny_
         # 4. Nothing is left of the cluster once it is stopped.
         for process in restarted:
             process.wait(timeout=30)
-        assert cluster._cluster_processes() == []
+        assert served._cluster_processes() == []
     assert redis.process.poll() is not None
     with pytest.raises(ConnectionRefusedError):
         redis.command("PING")
