@@ -15,18 +15,33 @@ STAMP := $(VENV)/.installed
 TINY_DIR := $(HOME)/.cache/omni-ray/qwen-image-tiny
 # The page tests drive Debian's chromium through Playwright (which cannot download its own browser here).
 CHROMIUM := $(shell command -v chromium || command -v chromium-browser)
+# The GCS fault-tolerance test (tests/test_gcs_fault_tolerance.py) starts Debian's redis-server itself, on a loopback
+# port of its own; the package's system service is stopped and disabled again after the install.
+REDIS_SERVER := $(shell command -v redis-server)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GPU machines take the CUDA build of vLLM; every other machine the CPU build.
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install test serve bench clean chromium wheelhouse
+.PHONY: install test serve bench clean chromium redis wheelhouse
 
-install: $(STAMP) $(TINY_DIR)/model_index.json chromium
+install: $(STAMP) $(TINY_DIR)/model_index.json chromium redis
 
 chromium:
 ifeq ($(CHROMIUM),)
 	export DEBIAN_FRONTEND=noninteractive; $(SUDO) apt-get install -y -q chromium \
 		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+endif
+
+redis:
+ifeq ($(REDIS_SERVER),)
+	@command -v apt-get >/dev/null || { echo "make: redis-server is missing and there is no apt-get here:" \
+		"install Redis so that redis-server is on the PATH (the GCS fault-tolerance test starts it)" >&2; exit 1; }
+	@[ -z "$(SUDO)" ] || command -v sudo >/dev/null || { echo "make: redis-server is missing, and installing it" \
+		"needs root or sudo: apt-get install redis-server (the GCS fault-tolerance test starts it)" >&2; exit 1; }
+	export DEBIAN_FRONTEND=noninteractive; $(SUDO) apt-get install -y -q redis-server \
+		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
+# The package starts a system-wide Redis on port 6379; nothing here uses it.
+	$(SUDO) systemctl disable --now redis-server 2>/dev/null || $(SUDO) service redis-server stop 2>/dev/null || true
 endif
 
 $(STAMP): pyproject.toml Makefile tools/guard_torchvision.py

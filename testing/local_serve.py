@@ -4,9 +4,10 @@
         ...  # served.base_url, served.address, served.client_address (ray://, the head's Ray Client server)
 
 ``preset`` replaces the stage config the app is built from (a preset's YAML as a dict); ``env`` is added to the
-environment of the cluster's processes (``OMNI_RAY_API_KEY``, say). With ``workers``, more raylets join the head on
-this machine (``ray start --address``), each a node of its own with
-the custom resources given, so presets that pin stages by resource run across nodes as on a real cluster.
+environment of the cluster's processes (``OMNI_RAY_API_KEY``, say), and ``head_args`` to the head's `ray start` (with
+``RAY_REDIS_ADDRESS`` in ``env``, ``--redis-password=...`` turns GCS fault tolerance on: testing/gcs_fault.py). With
+``workers``, more raylets join the head on this machine (``ray start --address``), each a node of its own with the
+custom resources given, so presets that pin stages by resource run across nodes as on a real cluster.
 
 Metrics are exported for Prometheus at ``served.metrics_url``. The head runs without the dashboard (it costs about
 1.4 GB) and with more logical CPUs than cores, so the CPU presets' fractional replicas always fit.
@@ -46,7 +47,8 @@ class LocalServe:
 
     def __init__(self, config: str | pathlib.Path, model: str | None = None, num_cpus: int = 4,
                  ready_timeout_s: float = 300.0, head_resources: dict[str, float] | None = None,
-                 workers: list[dict[str, float]] = (), preset: dict | None = None, env: dict[str, str] | None = None):
+                 workers: list[dict[str, float]] = (), preset: dict | None = None, env: dict[str, str] | None = None,
+                 head_args: list[str] = ()):
         self.config = yaml.safe_load(pathlib.Path(config).read_text())
         self.preset = preset
         self.port, self.gcs_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
@@ -56,6 +58,7 @@ class LocalServe:
         self.num_cpus = num_cpus
         self.head_resources = head_resources or {}
         self.workers = list(workers)
+        self.head_args = list(head_args)
         self.ready_timeout_s = ready_timeout_s
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -78,7 +81,7 @@ class LocalServe:
             [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
              f"--metrics-export-port={self.metrics_port}", f"--ray-client-server-port={self.client_port}",
              "--include-dashboard=false", "--disable-usage-stats",
-             f"--resources={json.dumps(self.head_resources)}"],
+             f"--resources={json.dumps(self.head_resources)}", *self.head_args],
             check=True, env=self.env, capture_output=True, timeout=120,
         )
         for resources in self.workers:

@@ -1,7 +1,9 @@
 """The KubeRay manifests: valid against the RayService CRD, their Serve config valid and in step with config.gpu.yaml,
-and the placement the app builder produces is what the worker groups are sized for."""
+and the placement the app builder produces is what the worker groups are sized for; the Redis their GCS fault
+tolerance names (k8s/redis.yaml) valid as Kubernetes objects and wired to them."""
 
 import copy
+import functools
 import importlib
 import math
 
@@ -40,19 +42,30 @@ def strict(schema: dict) -> dict:
     return schema
 
 
-@pytest.fixture(scope="module")
-def validator():
+@functools.cache
+def crd_schema() -> dict:
     crd = yaml.safe_load(CRD.read_text())
     (v1,) = [version for version in crd["spec"]["versions"] if version["name"] == "v1"]
-    schema = strict(v1["schema"]["openAPIV3Schema"])
+    return v1["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="module")
+def validator():
+    schema = strict(crd_schema())
     # apiVersion, kind and metadata are checked by Kubernetes itself, outside the CRD's schema.
     schema["properties"]["metadata"] = {"type": "object", "required": ["name"]}
     return jsonschema.Draft7Validator(schema)
 
 
-def rayservices():
+def documents():
     docs = [(path, doc) for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
     assert docs, "no manifests in k8s/"
+    return docs
+
+
+def rayservices():
+    docs = [(path, doc) for path, doc in documents() if doc.get("kind") == "RayService"]
+    assert docs, "no RayService in k8s/"
     return docs
 
 
@@ -83,6 +96,135 @@ def test_a_broken_copy_fails(validator, breakage):
     broken = copy.deepcopy(doc)
     breakage(broken)
     assert errors(validator, broken) != []
+
+
+INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+
+
+def kubernetes_schemas() -> dict[tuple[str, str], dict]:
+    """Schemas of the Kubernetes objects besides the RayServices in k8s/, by (apiVersion, kind). The pod template, the
+    claim spec and the label selector are Kubernetes' own OpenAPI schemas, as the RayService CRD embeds them; the
+    Deployment's and Service's spec around them hold the fields of Kubernetes' that these manifests may use."""
+    cluster = crd_schema()["properties"]["spec"]["properties"]["rayClusterConfig"]["properties"]
+    pod_template = cluster["headGroupSpec"]["properties"]["template"]
+    volume = pod_template["properties"]["spec"]["properties"]["volumes"]["items"]["properties"]
+    claim_spec = volume["ephemeral"]["properties"]["volumeClaimTemplate"]["properties"]["spec"]
+    metadata = {"type": "object", "required": ["name"],
+                "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": LABELS,
+                               "annotations": LABELS}}
+    deployment = {
+        "type": "object", "required": ["selector", "template"],
+        "properties": {
+            "replicas": {"type": "integer"}, "selector": claim_spec["properties"]["selector"],
+            "strategy": {"type": "object", "properties": {
+                "type": {"enum": ["Recreate", "RollingUpdate"]},
+                "rollingUpdate": {"type": "object", "properties": {"maxSurge": INT_OR_STRING,
+                                                                   "maxUnavailable": INT_OR_STRING}}}},
+            "template": pod_template, "minReadySeconds": {"type": "integer"},
+            "revisionHistoryLimit": {"type": "integer"}, "progressDeadlineSeconds": {"type": "integer"}}}
+    service = {
+        "type": "object", "required": ["ports"],
+        "properties": {
+            "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer", "ExternalName"]}, "selector": LABELS,
+            "clusterIP": {"type": "string"},
+            "ports": {"type": "array", "items": {"type": "object", "required": ["port"], "properties": {
+                "name": {"type": "string"}, "port": {"type": "integer"}, "targetPort": INT_OR_STRING,
+                "protocol": {"enum": ["TCP", "UDP", "SCTP"]}, "appProtocol": {"type": "string"}}}}}}
+
+    def kind(api_version: str, name: str, spec: dict) -> dict:
+        return {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+                "properties": {"apiVersion": {"const": api_version}, "kind": {"const": name}, "metadata": metadata,
+                               "spec": spec}}
+
+    return {("v1", "PersistentVolumeClaim"): kind("v1", "PersistentVolumeClaim", claim_spec),
+            ("apps/v1", "Deployment"): kind("apps/v1", "Deployment", deployment),
+            ("v1", "Service"): kind("v1", "Service", service)}
+
+
+@pytest.fixture(scope="module")
+def kubernetes_validators() -> dict:
+    return {key: jsonschema.Draft7Validator(strict(schema)) for key, schema in kubernetes_schemas().items()}
+
+
+def kubernetes_errors(validators, doc) -> list[str]:
+    validator = validators.get((doc.get("apiVersion"), doc.get("kind")))
+    if validator is None:
+        return [f"{doc.get('apiVersion')} {doc.get('kind')} is not a kind k8s/ is checked for"]
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def redis_objects() -> dict[str, dict]:
+    objects = {doc["kind"]: doc for path, doc in documents() if path.name == "redis.yaml"}
+    assert objects.keys() == {"PersistentVolumeClaim", "Deployment", "Service"}
+    return objects
+
+
+def test_every_other_manifest_is_a_valid_kubernetes_object_and_none_holds_a_secret(kubernetes_validators):
+    for path, doc in documents():
+        if doc.get("kind") != "RayService":
+            assert kubernetes_errors(kubernetes_validators, doc) == [], path.name
+    assert redis_objects()
+    assert not [path.name for path, doc in documents() if doc.get("kind") == "Secret"]  # passwords are created
+
+
+@pytest.mark.parametrize(
+    "kind, breakage",
+    [
+        ("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][0].update(imagePullPolicyy="Always")),
+        ("Deployment", lambda d: d["spec"].update(replicas="one")),
+        ("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]
+         ["secretKeyRef"].pop("key")),
+        ("Deployment", lambda d: d["spec"]["strategy"].update(type="Rolling")),
+        ("Service", lambda d: d["spec"]["ports"][0].update(port="6379")),
+        ("Service", lambda d: d.update(kind="Services")),
+        ("PersistentVolumeClaim", lambda d: d["spec"].update(accesModes=["ReadWriteOnce"])),
+    ],
+)
+def test_a_broken_copy_of_the_redis_manifest_fails(kubernetes_validators, kind, breakage):
+    broken = copy.deepcopy(redis_objects()[kind])
+    breakage(broken)
+    assert kubernetes_errors(kubernetes_validators, broken) != []
+
+
+def test_every_rayservice_keeps_its_gcs_in_the_redis_of_k8s_redis_yaml():
+    """GCS fault tolerance (issue 41): each RayService's gcsFaultToleranceOptions name k8s/redis.yaml's Service and
+    the Secret key its Redis takes its password from; KubeRay's own rules for it hold (ray-operator's
+    utils/validation.go: no redis-password in rayStartParams, no REDIS_PASSWORD, RAY_REDIS_ADDRESS or REDIS_USERNAME
+    in the head's environment, no ray.io/ft-enabled annotation); the storage namespace is KubeRay's (the RayCluster's
+    UID), so a NewCluster upgrade's new cluster never reads the old one's tables; and the proxies run on every node,
+    so the worker pods serve while the head is down."""
+    redis = redis_objects()
+    pod = redis["Deployment"]["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert redis["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert redis["Service"]["spec"]["selector"].items() <= labels.items()
+    (container,) = pod["spec"]["containers"]
+    (port,) = redis["Service"]["spec"]["ports"]
+    assert port["targetPort"] in {p.get("name") for p in container["ports"]} | {p["containerPort"]
+                                                                                 for p in container["ports"]}
+    password = {item["name"]: item for item in container["env"]}["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    args = dict(zip(container["args"][::2], container["args"][1::2]))
+    assert args["--requirepass"] == "$(REDIS_PASSWORD)" and args["--appendonly"] == "yes"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    claim = volumes[mounts[args["--dir"]]]["persistentVolumeClaim"]["claimName"]
+    assert claim == redis["PersistentVolumeClaim"]["metadata"]["name"]
+    # One pod at a time on a ReadWriteOnce volume: KubeRay supports a standalone Redis only.
+    deployment = redis["Deployment"]["spec"]
+    assert deployment["replicas"] == 1 and deployment["strategy"]["type"] == "Recreate"
+    for path, doc in rayservices():
+        cluster = doc["spec"]["rayClusterConfig"]
+        options = cluster["gcsFaultToleranceOptions"]
+        assert options["redisAddress"] == f"{redis['Service']['metadata']['name']}:{port['port']}", path.name
+        assert options["redisPassword"] == {"valueFrom": {"secretKeyRef": password}}, path.name
+        assert options.get("backend", "redis") == "redis" and "externalStorageNamespace" not in options, path.name
+        head = cluster["headGroupSpec"]
+        assert not {"redis-password", "redis-username"} & head["rayStartParams"].keys(), path.name
+        head_env = {item["name"] for item in head["template"]["spec"]["containers"][0].get("env", [])}
+        assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS", "REDIS_USERNAME"} & head_env, path.name
+        assert "ray.io/ft-enabled" not in doc["metadata"].get("annotations", {}), path.name
+        assert serve_config(doc)["proxy_location"] == "EveryNode", path.name
 
 
 def serve_config(doc) -> dict:
