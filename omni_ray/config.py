@@ -775,8 +775,10 @@ class PipelineConfig(_Frozen):
         return not _HUB_ID.match(self.model) or pathlib.Path(self.model).exists()
 
 
-def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineConfig:
-    """Reads a preset from YAML; ``model`` overrides the preset's checkpoint.
+def load_config(path: str | pathlib.Path, model: str | None = None,
+                overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Reads a preset from YAML; ``model`` overrides the preset's checkpoint, and ``overrides`` (a preset fragment:
+    ``{"dit": {"max_batch_tokens": 4096}}``) its fields, mappings merged key by key and anything else replaced.
 
     A relative local ``model`` resolves against the current directory; ``~`` expands.
     """
@@ -789,9 +791,19 @@ def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineC
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    if overrides:
+        data = merged(data, overrides)
     if model is not None:
         data["model"] = model
     return parse_config(data, source=str(path))
+
+
+def merged(base: dict[str, Any], fragment: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``fragment`` laid over it: where both hold a mapping, merged key by key; else the fragment's."""
+    out = dict(base)
+    for key, value in fragment.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def recipe_file(adapter_path: str) -> pathlib.Path:

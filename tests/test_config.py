@@ -24,6 +24,24 @@ def test_tiny_preset_loads_with_model_override(tiny_dir):
     assert (config.encoder.dtype, config.dit.device, config.vae.deployment.num_gpus) == ("float32", "cpu", 0)
 
 
+def test_overrides_lay_fields_over_the_preset(tiny_dir, tmp_path):
+    """What a Serve config's ``args.overrides`` changes (``serve deploy``): mappings merged key by key, anything else
+    replaced; an invalid override is refused naming its field."""
+    adapter = tmp_path / "B.safetensors"
+    adapter.write_bytes(b"")
+    overrides = {"requests": {"default_steps": 3}, "dit": {"max_batch_tokens": 2048, "deployment": {"num_replicas": 2}},
+                 "loras": {"B": str(adapter)}}
+    config = load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tiny_dir), overrides=overrides)
+    base = load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tiny_dir))
+    assert config.requests.default_steps == 3
+    assert (config.dit.max_batch_tokens, config.dit.deployment.num_replicas) == (2048, 2)
+    assert config.requests.default_width == base.requests.default_width  # the rest of `requests` kept
+    assert config.dit.deployment.max_ongoing_requests == base.dit.deployment.max_ongoing_requests
+    assert list(config.loras) == ["B"]
+    with pytest.raises(ConfigError, match=r"requests\.default_steps"):
+        load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tiny_dir), overrides={"requests": {"default_steps": 0}})
+
+
 def test_real_preset_is_bf16_with_one_gpu_per_stage_replica():
     config = load_config(PRESETS / "qwen_image.yaml")
     assert config.model == "Qwen/Qwen-Image" and not config.is_local
