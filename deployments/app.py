@@ -129,6 +129,7 @@ def deployment_options(options: DeploymentConfig) -> dict:
     result = {
         "max_ongoing_requests": options.max_ongoing_requests,
         "max_queued_requests": options.max_queued_requests,
+        "max_surge_percent": options.max_surge_percent,
         "ray_actor_options": actor,
     }
     if options.autoscaling is not None:

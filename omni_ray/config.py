@@ -101,6 +101,14 @@ class DeploymentConfig(_Frozen):
     max_queued_requests: PositiveInt = Field(
         256, description="Requests that may wait for a replica; past it callers get a 503 with Retry-After."
     )
+    max_surge_percent: int = Field(
+        0, ge=0, le=100,
+        description="Replicas Serve starts beside the old ones while it replaces them (a changed app's args, code or "
+        "actor options), in percent of the count, rounded up. With some, an old replica serves until its replacement "
+        "is ready; with 0 (Serve's default), Serve stops old replicas before it starts new ones, and a stage of one "
+        "replica answers nothing while its replacement starts. A surge replica needs its resources free meanwhile "
+        "(a GPU stage's: a spare GPU, or room for the autoscaler to add one), else the replacement waits for them.",
+    )
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs each replica reserves.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (1 for a GPU stage).")
     torch_threads: PositiveInt | None = Field(

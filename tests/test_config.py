@@ -211,6 +211,11 @@ def test_deployment_options_carry_threads_and_custom_resources(tiny_dir):
     assert dit["resources"] == {"omni_dit_node": 1.0}
     assert dit["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"}
     assert "resources" not in deployment_options(config.vae.deployment)["ray_actor_options"]
+    # Replaced (a changed app), the tiny preset's replicas serve until their replacements run; the GPU presets'
+    # stop first, as Serve does by default (a surge replica would need a spare GPU).
+    assert {deployment_options(d)["max_surge_percent"] for d in (config.coordinator, config.encoder.deployment,
+                                                                 config.dit.deployment, config.vae.deployment)} == {100}
+    assert deployment_options(load_config(PRESETS / "qwen_image.yaml").dit.deployment)["max_surge_percent"] == 0
 
 
 def test_a_dit_gang_takes_a_placement_group_per_replica(tiny_dir):
