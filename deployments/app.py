@@ -4,6 +4,7 @@ config.yaml``."""
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,13 +34,21 @@ class AppArgs(BaseModel):
         description="Preset YAML: a path, or one relative to the current directory or to this repository.",
     )
     model: str | None = Field(None, description="Checkpoint directory or hub id overriding the preset's `model`.")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Preset fields laid over the stage config's (`{requests: {default_steps: 30}, loras: {...}}`; "
+        "mappings merged key by key). Serve's config carries them, so `serve deploy` (or KubeRay's serveConfigV2) "
+        "changes a setting without a new preset file: a changed `args` rebuilds the app and replaces every replica, "
+        "one at a time, each draining its requests first (docs/reliability.md, Upgrades under load).",
+    )
 
 
 def build_app(args: dict) -> Application:
     """Binds the ``CrossEngineCoordinator`` ingress to the three stage deployments, each built from its stage
     config. The coordinator's deployment keeps the name ``Coordinator`` (metrics, dashboards and logs name it so)."""
     app_args = AppArgs.model_validate(args)
-    config = checkpoints.ensure(load_config(resolve_stage_config(app_args.stage_config), model=app_args.model))
+    config = checkpoints.ensure(load_config(resolve_stage_config(app_args.stage_config), model=app_args.model,
+                                             overrides=app_args.overrides))
     # A coordinator or DiT replica being replaced (a redeploy, a scale-down) finishes the requests it holds, which
     # may run up to their deadline; other stage replicas' calls that outlive Serve's default wait are issued again.
     drain = {"graceful_shutdown_timeout_s": config.requests.timeout_s}
@@ -120,6 +129,7 @@ def deployment_options(options: DeploymentConfig) -> dict:
     result = {
         "max_ongoing_requests": options.max_ongoing_requests,
         "max_queued_requests": options.max_queued_requests,
+        "max_surge_percent": options.max_surge_percent,
         "ray_actor_options": actor,
     }
     if options.autoscaling is not None:

@@ -101,6 +101,14 @@ class DeploymentConfig(_Frozen):
     max_queued_requests: PositiveInt = Field(
         256, description="Requests that may wait for a replica; past it callers get a 503 with Retry-After."
     )
+    max_surge_percent: int = Field(
+        0, ge=0, le=100,
+        description="Replicas Serve starts beside the old ones while it replaces them (a changed app's args, code or "
+        "actor options), in percent of the count, rounded up. With some, an old replica serves until its replacement "
+        "is ready; with 0 (Serve's default), Serve stops old replicas before it starts new ones, and a stage of one "
+        "replica answers nothing while its replacement starts. A surge replica needs its resources free meanwhile "
+        "(a GPU stage's: a spare GPU, or room for the autoscaler to add one), else the replacement waits for them.",
+    )
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs each replica reserves.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (1 for a GPU stage).")
     torch_threads: PositiveInt | None = Field(
@@ -775,8 +783,10 @@ class PipelineConfig(_Frozen):
         return not _HUB_ID.match(self.model) or pathlib.Path(self.model).exists()
 
 
-def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineConfig:
-    """Reads a preset from YAML; ``model`` overrides the preset's checkpoint.
+def load_config(path: str | pathlib.Path, model: str | None = None,
+                overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Reads a preset from YAML; ``model`` overrides the preset's checkpoint, and ``overrides`` (a preset fragment:
+    ``{"dit": {"max_batch_tokens": 4096}}``) its fields, mappings merged key by key and anything else replaced.
 
     A relative local ``model`` resolves against the current directory; ``~`` expands.
     """
@@ -789,9 +799,19 @@ def load_config(path: str | pathlib.Path, model: str | None = None) -> PipelineC
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    if overrides:
+        data = merged(data, overrides)
     if model is not None:
         data["model"] = model
     return parse_config(data, source=str(path))
+
+
+def merged(base: dict[str, Any], fragment: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``fragment`` laid over it: where both hold a mapping, merged key by key; else the fragment's."""
+    out = dict(base)
+    for key, value in fragment.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def recipe_file(adapter_path: str) -> pathlib.Path:

@@ -10,7 +10,10 @@ environment of the cluster's processes (``OMNI_RAY_API_KEY``, say), and ``head_a
 custom resources given, so presets that pin stages by resource run across nodes as on a real cluster.
 
 Metrics are exported for Prometheus at ``served.metrics_url``. The head runs without the dashboard (it costs about
-1.4 GB) and with more logical CPUs than cores, so the CPU presets' fractional replicas always fit.
+1.4 GB) unless ``dashboard`` asks for it, and with more logical CPUs than cores, so the CPU presets' fractional
+replicas always fit. With the dashboard, ``served.deploy(config)`` applies a changed Serve config as an operator does,
+with ``serve deploy`` (the dashboard's REST API, which KubeRay's operator uses too), and ``served.applications()``
+reads what ``serve status`` reports.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ class LocalServe:
     def __init__(self, config: str | pathlib.Path, model: str | None = None, num_cpus: int = 4,
                  ready_timeout_s: float = 300.0, head_resources: dict[str, float] | None = None,
                  workers: list[dict[str, float]] = (), preset: dict | None = None, env: dict[str, str] | None = None,
-                 head_args: list[str] = ()):
+                 head_args: list[str] = (), dashboard: bool = False):
         self.config = yaml.safe_load(pathlib.Path(config).read_text())
+        self.dashboard_port = free_port() if dashboard else None
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}" if dashboard else None
         self.preset = preset
         self.port, self.gcs_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
         self.config["http_options"]["port"] = self.port
@@ -80,7 +85,7 @@ class LocalServe:
         subprocess.run(
             [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
              f"--metrics-export-port={self.metrics_port}", f"--ray-client-server-port={self.client_port}",
-             "--include-dashboard=false", "--disable-usage-stats",
+             *self._dashboard_flags(), "--disable-usage-stats",
              f"--resources={json.dumps(self.head_resources)}", *self.head_args],
             check=True, env=self.env, capture_output=True, timeout=120,
         )
@@ -105,6 +110,47 @@ class LocalServe:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _dashboard_flags(self) -> list[str]:
+        if self.dashboard_port is None:
+            return ["--include-dashboard=false"]
+        return ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                f"--dashboard-agent-listen-port={free_port()}"]
+
+    def deploy(self, config: dict, app: str = "omni-ray", timeout_s: float = 60.0) -> None:
+        """Applies ``config`` (a whole Serve config, its HTTP port this cluster's) to the running cluster with
+        ``serve deploy``; returns once the controller took it for ``app`` (the upgrade then runs: ``wait_running``)."""
+        path = self.workdir / f"deploy-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        before = self.applications()[app]["last_deployed_time_s"]
+        subprocess.run([str(BIN / "serve"), "deploy", str(path), f"--address={self.dashboard_url}"],
+                       check=True, env=self.env, capture_output=True, timeout=120, cwd=self.workdir)
+        deadline = time.monotonic() + timeout_s
+        while self.applications()[app]["last_deployed_time_s"] == before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the controller did not take {path.name} in {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def applications(self) -> dict:
+        """The Serve applications' status, as ``serve status`` has it (the dashboard's ``/api/serve/applications/``):
+        each application's status and its deployments', with every replica (its id, state, pid)."""
+        with urllib.request.urlopen(self.dashboard_url + "/api/serve/applications/", timeout=30) as response:
+            return json.loads(response.read())["applications"]
+
+    def wait_running(self, app: str = "omni-ray", timeout_s: float = 600.0) -> dict:
+        """Waits until ``app`` and each of its deployments is RUNNING (HEALTHY) with no replica but running ones, as
+        many as its target; returns its status."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.applications().get(app, {})
+            deployments = status.get("deployments", {}).values()
+            if status.get("status") == "RUNNING" and all(
+                    d["status"] == "HEALTHY" and {r["state"] for r in d["replicas"]} == {"RUNNING"}
+                    and len(d["replicas"]) == d["target_num_replicas"] for d in deployments):
+                return status
+            if status.get("status") == "DEPLOY_FAILED" or time.monotonic() > deadline:
+                raise RuntimeError(f"{app} not running: {json.dumps(status)[-4000:]}")
+            time.sleep(1)
 
     def __exit__(self, *exc) -> None:
         if self.process is not None:

@@ -24,6 +24,24 @@ def test_tiny_preset_loads_with_model_override(tiny_dir):
     assert (config.encoder.dtype, config.dit.device, config.vae.deployment.num_gpus) == ("float32", "cpu", 0)
 
 
+def test_overrides_lay_fields_over_the_preset(tiny_dir, tmp_path):
+    """What a Serve config's ``args.overrides`` changes (``serve deploy``): mappings merged key by key, anything else
+    replaced; an invalid override is refused naming its field."""
+    adapter = tmp_path / "B.safetensors"
+    adapter.write_bytes(b"")
+    overrides = {"requests": {"default_steps": 3}, "dit": {"max_batch_tokens": 2048, "deployment": {"num_replicas": 2}},
+                 "loras": {"B": str(adapter)}}
+    config = load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tiny_dir), overrides=overrides)
+    base = load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tiny_dir))
+    assert config.requests.default_steps == 3
+    assert (config.dit.max_batch_tokens, config.dit.deployment.num_replicas) == (2048, 2)
+    assert config.requests.default_width == base.requests.default_width  # the rest of `requests` kept
+    assert config.dit.deployment.max_ongoing_requests == base.dit.deployment.max_ongoing_requests
+    assert list(config.loras) == ["B"]
+    with pytest.raises(ConfigError, match=r"requests\.default_steps"):
+        load_config(PRESETS / "qwen_image_tiny.yaml", model=str(tiny_dir), overrides={"requests": {"default_steps": 0}})
+
+
 def test_real_preset_is_bf16_with_one_gpu_per_stage_replica():
     config = load_config(PRESETS / "qwen_image.yaml")
     assert config.model == "Qwen/Qwen-Image" and not config.is_local
@@ -193,6 +211,11 @@ def test_deployment_options_carry_threads_and_custom_resources(tiny_dir):
     assert dit["resources"] == {"omni_dit_node": 1.0}
     assert dit["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"}
     assert "resources" not in deployment_options(config.vae.deployment)["ray_actor_options"]
+    # Replaced (a changed app), the tiny preset's replicas serve until their replacements run; the GPU presets'
+    # stop first, as Serve does by default (a surge replica would need a spare GPU).
+    assert {deployment_options(d)["max_surge_percent"] for d in (config.coordinator, config.encoder.deployment,
+                                                                 config.dit.deployment, config.vae.deployment)} == {100}
+    assert deployment_options(load_config(PRESETS / "qwen_image.yaml").dit.deployment)["max_surge_percent"] == 0
 
 
 def test_a_dit_gang_takes_a_placement_group_per_replica(tiny_dir):

@@ -227,6 +227,35 @@ def test_every_rayservice_keeps_its_gcs_in_the_redis_of_k8s_redis_yaml():
         assert serve_config(doc)["proxy_location"] == "EveryNode", path.name
 
 
+# KubeRay 1.7's upgrade strategies (the CRD leaves the type a plain string, so the test names them).
+UPGRADE_STRATEGIES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
+
+
+def test_every_manifest_names_its_upgrade_strategy():
+    """A change of the cluster spec (the image) brings up a new RayCluster and moves the traffic once its Serve app is
+    healthy: said in the manifest, not left to the operator's default or its ENABLE_ZERO_DOWNTIME variable."""
+    for path, doc in rayservices():
+        assert doc["spec"]["upgradeStrategy"] == {"type": "NewCluster"}, path.name
+        assert doc["spec"]["upgradeStrategy"]["type"] in UPGRADE_STRATEGIES
+
+
+def test_the_incremental_upgrade_in_the_docs_is_a_valid_rayservice(validator):
+    """docs/kuberay.md's NewClusterWithIncrementalUpgrade block, put in rayservice.yaml, validates against the CRD
+    (and without the gateway class it requires, does not); the strategy steps Serve's target capacity, which only
+    the Ray autoscaler turns into pods."""
+    text = (REPO / "docs" / "kuberay.md").read_text()
+    (block,) = [b for b in text.split("```yaml")[1:] if "NewClusterWithIncrementalUpgrade" in b.split("```")[0]]
+    strategy = yaml.safe_load(block.split("```")[0])
+    (doc,) = [doc for path, doc in rayservices() if path.name == "rayservice.yaml"]
+    changed = copy.deepcopy(doc)
+    changed["spec"].update(strategy)
+    assert changed["spec"]["upgradeStrategy"]["type"] == "NewClusterWithIncrementalUpgrade"
+    assert errors(validator, changed) == []
+    assert changed["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"]
+    del changed["spec"]["upgradeStrategy"]["clusterUpgradeOptions"]["gatewayClassName"]
+    assert errors(validator, changed) != []
+
+
 def serve_config(doc) -> dict:
     from ray.serve.schema import ServeDeploySchema
 
