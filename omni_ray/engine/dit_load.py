@@ -17,9 +17,12 @@ run ahead of the request, as the scheduler (omni_ray/engine/dit_scheduler.py) or
   tenant's whole work when it is less and it sent nothing lately;
 - requests admitted but not yet here: ``reserve`` records each admitted request's work under its id until its
   denoise calls arrive (``{id}-{index}``, ``request_path``) or a bound passes;
+- its own steps as full ones (``full_steps_seconds``): rows that arrive later share them (under FIFO every
+  request of its size does: no token budget);
 - work that will arrive while it runs and go ahead of it (more urgent, or its own tenant's of another batch key,
   which takes turns): the rate it arrived at over the last ``ARRIVALS_WINDOW_S``, so the request gets the rest of
-  the DiT: ``seconds / (1 - rate)``.
+  the DiT: ``seconds / (1 - rate)``;
+- and all of it times ``StepFit.slow``, how much slower than the fitted line steps of some size ran lately.
 """
 
 from __future__ import annotations
@@ -67,10 +70,9 @@ class StepTimes:
         if tokens <= 0 or (self.num_steps >= 3 and seconds > 10 * self.seconds(tokens)):
             return
         if self.num_steps >= 3:
-            size = tokens.bit_length()
-            ratio = seconds / self.seconds(tokens)
-            self.slow_by_size[size] = self.slow_by_size.get(size, ratio) + 0.1 * (ratio - self.slow_by_size.get(
-                size, ratio))
+            size, ratio = tokens.bit_length(), seconds / self.seconds(tokens)
+            mean = self.slow_by_size.get(size, ratio)
+            self.slow_by_size[size] = mean + 0.1 * (ratio - mean)
         d = self.decay
         weight, t, tt, y, ty = self.sums
         self.sums = (d * weight + 1, d * t + tokens, d * tt + tokens**2, d * y + seconds, d * ty + tokens * seconds)
