@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from deployments.ray_private import object_ref, object_ref_stream
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import LoraEntry
+from omni_ray.engine.dit_load import size_key
 from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageCall, StageLostError
 from omni_ray.records import (
     Caption,
@@ -105,7 +106,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         dit = self.dit_calls.options(multiplexed_model_id=plan.lora.name) if plan.lora is not None else self.dit_calls
         response = dit.estimate.remote(plan.request.priority, plan.work_tokens, plan.steps_run, plan.request.n,
                                        2 if plan.true_cfg else 1, plan.tenant, plan.timeout_s, budget_s,
-                                       reservation=request_id)
+                                       reservation=request_id, key=size_key(plan.height, plan.width, plan.true_cfg))
         try:
             return await asyncio.wait_for(_awaited(response), timeout_s)
         except Exception as err:

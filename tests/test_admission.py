@@ -15,7 +15,7 @@ from deployments.admission import UNKNOWN_OUTSIDE_S, Admission
 from omni_ray.config import DiTConfig
 from omni_ray.engine.builders import create_policy, create_split
 from omni_ray.engine.core import DiTEngineCore
-from omni_ray.engine.dit_load import ARRIVALS_WINDOW_S, DiTLoad, StepFit, StepTimes
+from omni_ray.engine.dit_load import ARRIVALS_WINDOW_S, DiTLoad, StepFit, StepTimes, size_key
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.records import DenoiseParams, DenoiseRequest, PromptEmbeds
 from omni_ray.runners.simulated import SimulatedDenoiser
@@ -90,6 +90,15 @@ def test_the_estimate_counts_other_tenants_turns_later_arrivals_and_the_fits_err
         load.remove(f"urgent{i}-0")
         clock.now += 4
     assert load.estimate(priority=1, tokens=8000, steps=10, tenant="light") == pytest.approx(2 * own / 0.75)
+    # Its own tenant's requests of its size batch beside it, not ahead of it, however long their prompts were (the
+    # coordinator counts a prompt's tokens before the encoder does); those of another size take turns with it.
+    large = size_key(1328, 1328, True)
+    for i in range(4):
+        load.add(f"same{i}-0", priority=1, tokens=8000 + 7 * i, steps=10, tenant="light", key=large)
+        load.remove(f"same{i}-0")
+    assert load.estimate(priority=1, tokens=8000, steps=10, tenant="light", key=large) == pytest.approx(2 * own / 0.75)
+    assert load.estimate(priority=1, tokens=8000, steps=10, tenant="light", key=size_key(1024, 1024, True)
+                         ) > 2 * own / 0.75
     # Less urgent work that could age past it before its deadline counts too.
     aging = linear_load(clock, aging_s=120)
     aging.add("old-0", priority=2, tokens=8000, steps=10)
@@ -129,8 +138,8 @@ def replay_burst(reserve: bool, scheduling: str = "priority", tenants: int = 1, 
                  deadline_s: float = 100.0) -> tuple[list[float], int]:
     """A replica busy with bulk work (priority 1, another tenant) takes a burst of 12 deadline requests (1328x1328,
     50 steps, true CFG, priority 1; from ``tenants`` tenants) 0.1 s apart, each reaching the DiT ``delay_s`` after it
-    was admitted (its prompt's encoding), so the whole burst is decided before the first is there. Returns the admitted requests' times to done (from
-    admission) and how many were refused."""
+    was admitted (its prompt's encoding), so the whole burst is decided before the first is there. Returns the
+    admitted requests' times to done (from admission) and how many were refused."""
     stage = sim_stage().model_copy(update={"scheduling": scheduling})
     clock = Clock()
     policy = create_policy(stage)
@@ -145,7 +154,8 @@ def replay_burst(reserve: bool, scheduling: str = "priority", tenants: int = 1, 
 
     def add(req: DenoiseRequest) -> None:
         p = req.params
-        load.add(req.request_id, p.priority, req.work_tokens, p.num_inference_steps, 2, p.tenant)
+        load.add(req.request_id, p.priority, req.work_tokens, p.num_inference_steps, 2, p.tenant,
+                 size_key(p.height, p.width, p.true_cfg))
         core.add_request(req)
 
     def step() -> None:
@@ -166,9 +176,9 @@ def replay_burst(reserve: bool, scheduling: str = "priority", tenants: int = 1, 
         key, tenant = f"burst{i}", f"burst{i % tenants}"
         budget = (deadline_s - 1.0) / 1.1  # what the coordinator leaves the DiT: 1 s for the other stages, 10%
         if reserve:
-            estimate = load.admit(key, budget, 1, work_tokens, 50, 1, 2, tenant, deadline_s)
+            estimate = load.admit(key, budget, 1, work_tokens, 50, 1, 2, tenant, deadline_s, size_key(1328, 1328, True))
         else:  # the estimate as it was: only what is at the DiT
-            estimate = load.estimate(1, work_tokens, 50, 1, 2, tenant, deadline_s)
+            estimate = load.estimate(1, work_tokens, 50, 1, 2, tenant, deadline_s, size_key(1328, 1328, True))
         if estimate <= budget:
             admitted[f"{key}-0"] = clock.now
             arrivals.append((clock.now + delay_s, request(f"{key}-0", 1328, 50, 1, tenant)))

@@ -113,9 +113,16 @@ class _Arrival:
     at: float
     priority: int
     tenant: str
+    key: tuple  # what it batches with (``size_key``)
     tokens: int
+    steps: int
     passes: int
-    seconds: float  # its cost-seconds
+
+
+def size_key(height: int, width: int, true_cfg: bool) -> tuple[int, int, bool]:
+    """What the estimate tells batch keys apart by (``BatchKey`` without an edit's input sizes): the coordinator
+    names it from the plan, the DiT from the request, so that both agree whatever the prompts' token counts."""
+    return height, width, true_cfg
 
 
 def reservation_for(call_id: str, keys: Iterable[str]) -> str | None:
@@ -146,18 +153,19 @@ class DiTLoad:
         self.arrivals: deque[_Arrival] = deque()  # the last ARRIVALS_WINDOW_S
         self.request_s = 0.0  # cost-seconds of a request as they arrive, a moving mean
 
-    def add(self, request_id: str, priority: int, tokens: int, steps: int, passes: int = 1, tenant: str = "") -> None:
-        """A request arrived: its reservation (if any) gives up one image."""
-        key = reservation_for(request_id, self.reserved)
-        if key is not None:
-            reservation = self.reserved[key]
+    def add(self, request_id: str, priority: int, tokens: int, steps: int, passes: int = 1, tenant: str = "",
+            key: tuple | None = None) -> None:
+        """A request arrived (``key``: its ``size_key``): its reservation (if any) gives up one image."""
+        reserved = reservation_for(request_id, self.reserved)
+        if reserved is not None:
+            reservation = self.reserved[reserved]
             reservation.images -= 1
             if reservation.images <= 0:
-                del self.reserved[key]
+                del self.reserved[reserved]
         self.work[request_id] = _Work(priority, tenant, tokens, steps, passes)
-        cost = steps * self.row_seconds(tokens, passes)
-        self.request_s += 0.1 * (cost - self.request_s)
-        self.arrivals.append(_Arrival(self.clock(), priority, tenant, tokens, passes, cost))
+        self.request_s += 0.1 * (steps * self.row_seconds(tokens, passes) - self.request_s)
+        key = key if key is not None else (tokens, passes)
+        self.arrivals.append(_Arrival(self.clock(), priority, tenant, key, tokens, steps, passes))
 
     def progress(self, request_id: str, done: int, total: int) -> None:
         if (work := self.work.get(request_id)) is not None:
@@ -192,10 +200,10 @@ class DiTLoad:
         return sum(self._cost(w) for w in self._all() if max_priority is None or w.priority <= max_priority)
 
     def estimate(self, priority: int, tokens: int, steps: int, images: int = 1, passes: int = 1, tenant: str = "",
-                 deadline_s: float | None = None) -> float:
+                 deadline_s: float | None = None, key: tuple | None = None) -> float:
         """Seconds until a new request's ``images`` would be done here, the work that will go ahead of it included
-        (the module's docstring says which); ``deadline_s`` bounds how far less urgent work may age. 0 until the
-        replica has run a step: it has nothing to learn from."""
+        (the module's docstring says which); ``deadline_s`` bounds how far less urgent work may age; ``key``: its
+        ``size_key``. 0 until the replica has run a step: it has nothing to learn from."""
         if self.step_fit().num_steps == 0:
             return 0.0
         rank, own_tenant = self._rank(priority, tenant)
@@ -214,13 +222,13 @@ class DiTLoad:
         now = self.clock()
         while self.arrivals and self.arrivals[0].at < now - ARRIVALS_WINDOW_S:
             self.arrivals.popleft()
+        key = key if key is not None else (tokens, passes)
         arriving = 0.0
         active: set[str] = set()
         for arrival in self.arrivals:
             arrival_rank, arrival_tenant = self._rank(arrival.priority, arrival.tenant)
-            if arrival_rank < rank or (arrival_rank == rank and arrival_tenant == own_tenant
-                                       and (arrival.tokens, arrival.passes) != (tokens, passes)):
-                arriving += arrival.seconds
+            if arrival_rank < rank or (arrival_rank == rank and arrival_tenant == own_tenant and arrival.key != key):
+                arriving += arrival.steps * self.row_seconds(arrival.tokens, arrival.passes)
             elif arrival_rank == rank and arrival_tenant != own_tenant:
                 active.add(arrival_tenant)
         ahead_rate = min(MAX_ARRIVAL_RATE, arriving / ARRIVALS_WINDOW_S)
@@ -229,13 +237,13 @@ class DiTLoad:
         shared += share * len(active - others.keys())
         return self.step_fit().slow * (ahead + share + shared) / (1 - ahead_rate)
 
-    def admit(self, key: str, budget_s: float, priority: int, tokens: int, steps: int, images: int = 1,
-              passes: int = 1, tenant: str = "", deadline_s: float | None = None) -> float:
-        """The ``estimate``; when it is within ``budget_s`` the request is admitted, and reserved under ``key`` until
+    def admit(self, request_id: str, budget_s: float, priority: int, tokens: int, steps: int, images: int = 1,
+              passes: int = 1, tenant: str = "", deadline_s: float | None = None, key: tuple | None = None) -> float:
+        """The ``estimate``; when it is within ``budget_s`` the request is admitted, and reserved under its id until
         its calls arrive (or its deadline, or ``RESERVATION_HOLD_S``, passes)."""
-        seconds = self.estimate(priority, tokens, steps, images, passes, tenant, deadline_s)
+        seconds = self.estimate(priority, tokens, steps, images, passes, tenant, deadline_s, key)
         if seconds <= budget_s:
-            self.reserve(key, priority, tokens, steps, images, passes, tenant,
+            self.reserve(request_id, priority, tokens, steps, images, passes, tenant,
                          deadline_s if deadline_s is not None else RESERVATION_HOLD_S)
         return seconds
 
