@@ -99,6 +99,16 @@ def test_the_estimate_counts_other_tenants_turns_later_arrivals_and_the_fits_err
     assert load.estimate(priority=1, tokens=8000, steps=10, tenant="light", key=large) == pytest.approx(2 * own / 0.75)
     assert load.estimate(priority=1, tokens=8000, steps=10, tenant="light", key=size_key(1024, 1024, True)
                          ) > 2 * own / 0.75
+    # A tenant that sends a tenth of what the DiT does takes a tenth of it meanwhile, not a full share.
+    shared = linear_load(clock)
+    shared.add("heavy-0", priority=0, tokens=8000, steps=10, tenant="heavy")  # 9 s, held
+    clock.now += ARRIVALS_WINDOW_S + 1
+    for i in range(6):  # 1 s of work every 10 s
+        shared.add(f"light{i}-0", priority=0, tokens=2000, steps=4, tenant="light")
+        shared.remove(f"light{i}-0")
+        clock.now += 10
+    assert shared.estimate(priority=0, tokens=8000, steps=10, tenant="heavy") == pytest.approx((9 + own) / 0.9,
+                                                                                              rel=1e-3)
     # Less urgent work that could age past it before its deadline counts too.
     aging = linear_load(clock, aging_s=120)
     aging.add("old-0", priority=2, tokens=8000, steps=10)

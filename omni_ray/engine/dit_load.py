@@ -13,8 +13,8 @@ run ahead of the request, as the scheduler (omni_ray/engine/dit_scheduler.py) or
 
 - work held here that is more urgent, or less urgent but able to age past it before its deadline;
 - its own tenant's work at its priority (a tenant's requests run oldest first) and, for every other tenant at its
-  priority, as much as the request's own tenant will run until it is done (the tenants share the steps), or that
-  tenant's whole work when it is less and it sent nothing lately;
+  priority, what it holds and will send meanwhile (at the rate it sent over the last ``ARRIVALS_WINDOW_S``), up to
+  as much as the request's own tenant will run until it is done (the tenants take turns);
 - requests admitted but not yet here: ``reserve`` records each admitted request's work under its id until its
   denoise calls arrive (``{id}-{index}``, ``request_path``) or a bound passes;
 - its own steps as full ones (``full_steps_seconds``): rows that arrive later share them (under FIFO every
@@ -224,18 +224,31 @@ class DiTLoad:
             self.arrivals.popleft()
         key = key if key is not None else (tokens, passes)
         arriving = 0.0
-        active: set[str] = set()
+        sending: dict[str, float] = {}  # other tenant at its rank -> cost-seconds it sent lately
         for arrival in self.arrivals:
             arrival_rank, arrival_tenant = self._rank(arrival.priority, arrival.tenant)
+            cost = arrival.steps * self.row_seconds(arrival.tokens, arrival.passes)
             if arrival_rank < rank or (arrival_rank == rank and arrival_tenant == own_tenant and arrival.key != key):
-                arriving += arrival.steps * self.row_seconds(arrival.tokens, arrival.passes)
+                arriving += cost
             elif arrival_rank == rank and arrival_tenant != own_tenant:
-                active.add(arrival_tenant)
+                sending[arrival_tenant] = sending.get(arrival_tenant, 0.0) + cost
         ahead_rate = min(MAX_ARRIVAL_RATE, arriving / ARRIVALS_WINDOW_S)
-        share = mine + own  # what each other tenant at its priority may run before it is done
-        shared = sum(share if who in active else min(work, share) for who, work in others.items())
-        shared += share * len(active - others.keys())
-        return self.step_fit().slow * (ahead + share + shared) / (1 - ahead_rate)
+        share = mine + own  # the most each other tenant at its priority runs before it is done: they take turns
+        slow = self.step_fit().slow
+
+        def finish(seconds: float) -> float:
+            """When it is done if it is done in ``seconds``: other tenants take what they hold and send meanwhile,
+            up to their share."""
+            shared = sum(min(share, others.get(who, 0.0) + sending.get(who, 0.0) / ARRIVALS_WINDOW_S * seconds)
+                         for who in others.keys() | sending.keys())
+            return slow * (ahead + share + shared) / (1 - ahead_rate)
+
+        seconds = finish(0.0)
+        for _ in range(50):  # the least fixed point: finish() grows with its argument and is bounded
+            seconds, before = finish(seconds), seconds
+            if seconds - before < 1e-3:
+                break
+        return seconds
 
     def admit(self, request_id: str, budget_s: float, priority: int, tokens: int, steps: int, images: int = 1,
               passes: int = 1, tenant: str = "", deadline_s: float | None = None, key: tuple | None = None) -> float:
