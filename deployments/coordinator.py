@@ -6,8 +6,9 @@ For each request it
    urgent first;
 3. plans it once: the route checked, the body validated, sizes resolved, seeds assigned, true CFG decided
    (``api.planning.plan_request``);
-4. admits it, or refuses it at once (503, ``Retry-After``) when the DiT would finish it past its deadline; and
-   charges it to its API key's quotas, or refuses it (429, ``Retry-After``: ``http.quotas``);
+4. admits it, or refuses it at once (503, ``Retry-After``) when it could not promise to finish it within its
+   deadline (``deployments.admission``): the DiT replica it will reach counts it from then on; and charges it to its
+   API key's quotas, or refuses it (429, ``Retry-After``: ``http.quotas``);
 5. runs it on the one request path (``request_path.run_request``, shared with the in-process pipeline): the
    stages chained by reference over ``deployments.stages.ServeStages``, ``n`` images fanned out, lost stage calls
    issued again, the deadline kept, every stage call cancelled when the caller goes away;
@@ -42,6 +43,7 @@ from ray.util.queue import Queue
 from starlette.background import BackgroundTask
 
 from deployments import metrics
+from deployments.admission import Admission
 from deployments.http import bodies
 from deployments.http.adapters import Adapters, AdapterStore, ClusterAdapters
 from deployments.http.api_keys import ApiKeys
@@ -141,6 +143,7 @@ class CrossEngineCoordinator:
         self.page_html = page_html(config, api_key=api_keys.required)
         self.image_slots = PrioritySlots(MAX_IMAGE_DECODES)  # uploads being decoded
         self.write_slots = PrioritySlots(MAX_IMAGE_WRITES)  # image files being written
+        self.admission = Admission()
         self.in_flight = 0  # requests whose events are being produced
         self.served = 0  # requests that ended, however
         if api_keys.required:
@@ -164,8 +167,9 @@ class CrossEngineCoordinator:
                 body, controls, masks = parse_request(fields, form=True), files, mask_files
             else:  # base64 grows a file by a third
                 body, controls, masks = await bodies.json_body(request, base64_limit(limit)), None, None
-        plan = await self.plan(body, tenant=tenant, control_images=controls, control_masks=masks)
-        return await self.respond(plan, request, await self.charge(tenant, plan))
+        request_id = _request_id(request)
+        plan = await self.plan(body, tenant=tenant, control_images=controls, control_masks=masks, request_id=request_id)
+        return await self.respond(plan, request_id, await self.charge(tenant, plan))
 
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
@@ -177,8 +181,9 @@ class CrossEngineCoordinator:
             limit = bodies.MAX_BODY_BYTES + (edit.max_images + 1) * edit.max_image_bytes  # the images and a mask
             fields, images, mask = await bodies.edit_form(request, limit)
             body = parse_request(fields, form=True)
-        plan = await self.plan(body, images, tenant, mask)  # []: "image: required"
-        return await self.respond(plan, request, await self.charge(tenant, plan))
+        request_id = _request_id(request)  # []: "image: required"
+        plan = await self.plan(body, images, tenant, mask, request_id=request_id)
+        return await self.respond(plan, request_id, await self.charge(tenant, plan))
 
     async def page(self) -> HTMLResponse:
         """The try-it page: a form over the images API with live previews (``http/web``)."""
@@ -225,14 +230,16 @@ class CrossEngineCoordinator:
     ) -> dict:
         """The images response for an OpenAI-style body (and for an edit the input image file, or a list of
         them, and a mask), as HTTP gets it."""
-        return await self.json_response(await self.plan(body, image, mask=mask), request_id or uuid.uuid4().hex)
+        request_id = request_id or uuid.uuid4().hex
+        return await self.json_response(await self.plan(body, image, mask=mask, request_id=request_id), request_id)
 
     async def generate_stream(
         self, body: dict | ImageGenerationRequest, request_id: str | None = None,
         image: bytes | Sequence[bytes] | None = None, mask: bytes | None = None,
     ) -> AsyncIterator[dict]:
         """The streamed events, as server-sent events carry them (``handle.options(stream=True)``)."""
-        async for event in self.sse_events(await self.plan(body, image, mask=mask), request_id or uuid.uuid4().hex):
+        request_id = request_id or uuid.uuid4().hex
+        async for event in self.sse_events(await self.plan(body, image, mask=mask, request_id=request_id), request_id):
             yield event
 
     async def generate_into(
@@ -252,10 +259,9 @@ class CrossEngineCoordinator:
 
     # --- the one path and its views -----------------------------------------------------------------------------
 
-    async def respond(self, plan: GenerationPlan, request: Request, lease: Lease = NO_LEASE) -> Response:
+    async def respond(self, plan: GenerationPlan, request_id: str, lease: Lease = NO_LEASE) -> Response:
         """JSON, or server-sent events when the request streams; ``lease`` (its key's quotas) ends with the
         response, however it ends."""
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
         if plan.request.stream:  # the lease also ends after a stream that never started (its client gone)
             return StreamingResponse(lease.holding(bodies.sse(self.sse_events(plan, request_id))),
@@ -273,14 +279,15 @@ class CrossEngineCoordinator:
 
     async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
                    tenant: str | None = None, mask: bytes | None = None,
-                   control_images: Sequence[bytes] | None = None, control_masks: Sequence[bytes] | None = None
-                   ) -> GenerationPlan:
+                   control_images: Sequence[bytes] | None = None, control_masks: Sequence[bytes] | None = None,
+                   request_id: str | None = None) -> GenerationPlan:
         """Validates before any stage sees the request, and admits it when the DiT's queue can finish it before its
         deadline; an edit's images (one file, or a list) and mask, and a generation's control images (the body's
         base64 ones, or a multipart body's ``control_image`` files: ``control_images``, and ``control_mask`` files:
         ``control_masks``), are decoded and resized off
         the event loop, a few requests at a time, after the checks that need no pixels. ``tenant`` (the caller's API
-        key's name) replaces the body's ``user`` as whom the DiT shares its steps between."""
+        key's name) replaces the body's ``user`` as whom the DiT shares its steps between; ``request_id`` (the id
+        the request will run under) is what its admission is reserved under at the DiT."""
         with self._counting_errors():
             files = [bytes(image)] if isinstance(image, (bytes, bytearray, memoryview)) else \
                 [bytes(item) for item in image] if image is not None else None
@@ -306,7 +313,7 @@ class CrossEngineCoordinator:
                                 control_images=controls, control_masks=masks)
             if tenant is not None:
                 plan = dataclasses.replace(plan, tenant=tenant)
-            await self._admit(plan)
+            await self._admit(plan, request_id)
             return plan
 
     def _load_controls(self, body: ImageGenerationRequest, images: Sequence[bytes] | None,
@@ -317,17 +324,19 @@ class CrossEngineCoordinator:
         files = masks if images is not None else None  # a multipart body: its mask files, maybe none
         return decoded, load_control_masks(body, files, decoded, self.config.inpaint_controlnets, max_bytes)
 
-    async def _admit(self, plan: GenerationPlan) -> None:
-        """Refuses at once (503, Retry-After) a request that the DiT's queue would finish past its deadline, from
-        the replica's estimate of the work ahead of it (as urgent or more) and its own."""
-        estimate = await self.stages.estimate(plan)
+    async def _admit(self, plan: GenerationPlan, request_id: str | None = None) -> None:
+        """Refuses at once (503, Retry-After) a request that could not be promised to finish within its deadline:
+        the DiT replica it will reach estimates its share, the work that will run ahead of it included, and must fit
+        the budget the deadline leaves it (``Admission``); admitted, the request is counted there from now on."""
+        budget = self.admission.budget_s(plan)
+        estimate = await self.stages.estimate(plan, request_id, budget)
         if estimate is None:
             return
         metrics.finish_estimate.observe(estimate, tags=COORDINATOR)
-        if estimate > plan.timeout_s:
+        if estimate > budget:
             raise OverloadedError(
-                f"the DiT would finish this request in about {estimate:.0f} s, past its {plan.timeout_s:g} s deadline "
-                "(timeout)", retry_after_s=estimate - plan.timeout_s, stage="dit")
+                f"the DiT would finish this request in about {estimate:.0f} s: with its other stages, past its "
+                f"{plan.timeout_s:g} s deadline (timeout)", retry_after_s=estimate - budget, stage="dit")
 
     async def events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[RequestEvent]:
         """The request's event stream over the stages, counted and logged."""
@@ -336,6 +345,8 @@ class CrossEngineCoordinator:
         try:
             async for event in tracing.traced_request(run_request(self.stages, plan, request_id, self.config.requests),
                                                       plan, request_id):
+                if isinstance(event, ImageDone):
+                    self.admission.observe(plan, time.perf_counter() - start, event.result.timings.get("dit", 0.0))
                 if isinstance(event, Failed):
                     _count_failure(event.error)
                     logger.warning("request %s failed: %s", request_id, event.error)
@@ -427,6 +438,10 @@ def _priority(body: dict | ImageGenerationRequest) -> int:
     a bad one; meanwhile it counts as 0)."""
     value = body.priority if isinstance(body, ImageGenerationRequest) else body.get("priority", 0)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _request_id(request: Request) -> str:
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
 def _count_failure(err: OmniRayError) -> None:

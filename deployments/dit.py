@@ -13,7 +13,7 @@ from deployments.stage import StageDeployment
 from deployments.stages import Upstream, write_step_stream
 from omni_ray.config import LoraEntry, PipelineConfig
 from omni_ray.engine.builders import build_dit_core, create_policy, create_split
-from omni_ray.engine.dit_load import DiTLoad
+from omni_ray.engine.dit_load import DiTLoad, size_key
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.stats import EngineStats
 from omni_ray.errors import StageCall
@@ -34,7 +34,8 @@ class DiT(StageDeployment):
         super().__init__(lambda: build_dit_core(config, self.gang_factory(config.dit)))
         policy = create_policy(config.dit)  # what the scheduler's steps take: the load counts work the same way
         self.load = DiTLoad(lambda: self.engine.stats.core.step_fit, config.dit.max_batch_size,
-                            policy.max_batch_tokens, policy.by_priority, create_split(config.dit))
+                            policy.max_batch_tokens, policy.by_priority, create_split(config.dit),
+                            config.dit.priority_aging_s if policy.by_priority else None)
         self.max_batch_tokens = policy.max_batch_tokens  # the budget its steps take (None: max_batch_size alone)
         self.loras = LoraResidency.from_config(
             self.engine, config, on_load=lambda name: metrics.lora_loads.inc(tags={**self.tags, "adapter": name}))
@@ -70,7 +71,8 @@ class DiT(StageDeployment):
                                    *control_latents)
         if params.lora is not None:
             await self._route(params.lora.name)
-        self.load.add(request_id, params.priority, request.work_tokens, params.steps_run, 2 if params.true_cfg else 1)
+        self.load.add(request_id, params.priority, request.work_tokens, params.steps_run, 2 if params.true_cfg else 1,
+                      params.tenant, size_key(params.height, params.width, params.true_cfg))
         try:
             with self._lost_with_gang(StageCall.DENOISE):
                 async with self.loras.use(params.lora):
@@ -82,10 +84,17 @@ class DiT(StageDeployment):
         finally:
             self.load.remove(request_id)
 
-    async def estimate(self, priority: int, tokens: int, steps: int, images: int, passes: int = 1) -> float:
+    async def estimate(self, priority: int, tokens: int, steps: int, images: int, passes: int = 1, tenant: str = "",
+                       deadline_s: float | None = None, budget_s: float | None = None,
+                       reservation: str | None = None, key: tuple | None = None) -> float:
         """Seconds until ``images`` new images of ``tokens`` work tokens in ``passes`` passes (2 with true CFG) and
-        ``steps`` steps at ``priority`` would be done on this replica (``DiTLoad.estimate``)."""
-        return self.load.estimate(priority, tokens, steps, images, passes)
+        ``steps`` steps at ``priority`` for ``tenant`` (``key``: their ``size_key``) would be done on this replica,
+        the work that will go ahead of them included (``DiTLoad.estimate``). Given a ``reservation`` (the request's
+        id) and an estimate within ``budget_s``, the request is admitted: its work counts here until its calls
+        arrive (``DiTLoad.admit``), and the router sends them here (``deployments.routing``)."""
+        if reservation is None or budget_s is None:
+            return self.load.estimate(priority, tokens, steps, images, passes, tenant, deadline_s, key)
+        return self.load.admit(reservation, budget_s, priority, tokens, steps, images, passes, tenant, deadline_s, key)
 
     def record_routing_stats(self) -> dict:
         """Serve's router reads it (``deployments.routing.LeastWorkRouter``): the replica's work in cost-seconds, a

@@ -7,11 +7,17 @@ that looked idle at the last report. A request naming a LoRA adapter prefers the
 model multiplexing), least work first within each preference. Ties go to the replica with the shortest queue that
 Serve's own probes saw.
 
+A request the coordinator admitted was promised by one replica: the one its ``estimate`` call was routed to (by the
+same order), which reserved its work (``DiTLoad.admit``). Its ``denoise`` calls (``{request id}-{index}``) go to that
+replica while it runs, whatever the work figures say by then: the promise holds only there, and that replica counts
+the work already.
+
 One router lives in each process that holds a handle to the DiT (each coordinator replica).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -24,26 +30,44 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from omni_ray.engine.dit_load import RESERVATION_HOLD_S, reservation_for
+
 ROUTING_STATS_PERIOD_S = 0.5
 
 
 class LeastWorkRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._sent: dict[ReplicaID, tuple[float, int]] = {}  # replica -> (report time, denoise calls since)
+        self._promised: dict[str, tuple[ReplicaID, float]] = {}  # request id -> (replica that admitted it, when)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """One rank per replica, least work first (within each multiplexing preference)."""
         model_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         ranks = self.rank_replicas_via_multiplex(candidate_replicas, model_id) if model_id else [candidate_replicas]
-        return [[replica] for rank in ranks for replica in sorted(rank, key=self._work)]
+        ordered = [[replica] for rank in ranks for replica in sorted(rank, key=self._work)]
+        promised = self._promised_replica(pending_request)
+        return sorted(ordered, key=lambda rank: rank[0].replica_id != promised) if promised is not None else ordered
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        if pending_request.metadata.call_method != "denoise" or replica_id not in self._replicas:
-            return
+        method = pending_request.metadata.call_method
+        if method == "estimate" and pending_request.kwargs.get("reservation") is not None:
+            now = time.monotonic()
+            self._promised = {key: value for key, value in self._promised.items()
+                              if now - value[1] < RESERVATION_HOLD_S}
+            self._promised[pending_request.kwargs["reservation"]] = (replica_id, now)
+        if method != "denoise" or replica_id not in self._replicas or self._promised_replica(pending_request):
+            return  # a promised call's work is in its replica's report already
         reported_at = self._replicas[replica_id].routing_stats.get("at", 0.0)
         at, count = self._sent.get(replica_id, (reported_at, 0))
         self._sent[replica_id] = (reported_at, count + 1 if at == reported_at else 1)
+
+    def _promised_replica(self, pending_request: PendingRequest | None) -> ReplicaID | None:
+        """The replica that admitted the request a ``denoise`` call belongs to (None for other calls)."""
+        if pending_request is None or pending_request.metadata.call_method != "denoise" or not pending_request.args:
+            return None
+        key = reservation_for(str(pending_request.args[0]), self._promised)
+        return self._promised[key][0] if key is not None else None
 
     def _work(self, replica: RunningReplica) -> tuple[float, int]:
         stats = replica.routing_stats or {}

@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from deployments.ray_private import object_ref, object_ref_stream
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import LoraEntry
+from omni_ray.engine.dit_load import size_key
 from omni_ray.errors import EngineError, OmniRayError, OverloadedError, StageCall, StageLostError
 from omni_ray.records import (
     Caption,
@@ -95,12 +96,17 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         self.encoder, self.vae = encoder, vae
         self.dit_calls, self.dit = dit, dit.options(stream=True)
 
-    async def estimate(self, plan: GenerationPlan, timeout_s: float = 1.0) -> float | None:
+    async def estimate(self, plan: GenerationPlan, request_id: str | None = None, budget_s: float | None = None,
+                       timeout_s: float = 1.0) -> float | None:
         """The estimate of the DiT replica Serve's router would send the request to (the one with the least work,
-        ``serve.routing``); None when no replica answers within ``timeout_s`` (none is running, say): the request
-        is then admitted and waits as any other."""
-        response = self.dit_calls.estimate.remote(plan.request.priority, plan.work_tokens, plan.steps_run,
-                                                  plan.request.n, 2 if plan.true_cfg else 1)
+        ``deployments.routing``, among those holding its adapter first); admitted (within ``budget_s``), the
+        request is reserved there under ``request_id`` and the router sends its denoise calls there. None when no
+        replica answers within ``timeout_s`` (none is running, say): the request is then admitted and waits as any
+        other."""
+        dit = self.dit_calls.options(multiplexed_model_id=plan.lora.name) if plan.lora is not None else self.dit_calls
+        response = dit.estimate.remote(plan.request.priority, plan.work_tokens, plan.steps_run, plan.request.n,
+                                       2 if plan.true_cfg else 1, plan.tenant, plan.timeout_s, budget_s,
+                                       reservation=request_id, key=size_key(plan.height, plan.width, plan.true_cfg))
         try:
             return await asyncio.wait_for(_awaited(response), timeout_s)
         except Exception as err:

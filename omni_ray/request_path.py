@@ -95,9 +95,12 @@ class Stages(ABC, Generic[Handle]):
     def cancel(self, handle: Handle) -> None:
         """Cancels a started call; a no-op on finished ones."""
 
-    async def estimate(self, plan: GenerationPlan) -> float | None:
-        """Seconds until the DiT would be done with the plan's images, from the work queued ahead of them (as urgent
-        or more) and their own; None when these stages cannot say (then nothing is refused early)."""
+    async def estimate(self, plan: GenerationPlan, request_id: str | None = None, budget_s: float | None = None
+                       ) -> float | None:
+        """Seconds until the DiT would be done with the plan's images, from the work that will run ahead of them
+        and their own; None when these stages cannot say (then nothing is refused early). Given ``request_id`` and
+        an estimate within ``budget_s``, the request is admitted: the DiT counts its work from now on, and its calls
+        go where that was promised."""
         return None
 
     @abstractmethod

@@ -28,22 +28,29 @@ def test_work_counts_remaining_steps_at_the_depth_each_key_batches_and_estimates
     times = StepTimes()
     times.observe(1000, 0.1 + 1e-4 * 1000)
     times.observe(3000, 0.1 + 1e-4 * 3000)
-    load = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000)
+    clock = SimpleNamespace(now=0.0)
+    clock.monotonic = lambda: clock.now
+    load = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000, clock=clock.monotonic)
     assert load.row_seconds(2000) == pytest.approx(0.1 / 2 + 0.2)  # two rows of 2000 tokens fit a step
     assert load.row_seconds(8000) == pytest.approx(0.1 + 0.8)  # alone in its step
     load.add("batch", priority=1, tokens=8000, steps=50)
     load.add("urgent", priority=0, tokens=2000, steps=20)
     load.progress("batch", 10, 50)
     assert load.seconds() == pytest.approx(40 * 0.9 + 20 * 0.25)
-    # A priority-0 request waits only for priority-0 work (it pauses the rest); a priority-1 one for both.
-    assert load.estimate(priority=0, tokens=2000, steps=20) == pytest.approx(2 * 20 * 0.25)
-    assert load.estimate(priority=1, tokens=2000, steps=20, images=2) == pytest.approx(36 + 5 + 2 * 5)
+    clock.now += 61  # the two arrived long ago: no rate of work arriving
+    # A priority-0 request waits only for priority-0 work (it pauses the rest); a priority-1 one for both. Its own
+    # steps count as full ones (rows that arrive later share them): two rows of 2000 tokens, 0.5 s.
+    assert load.full_steps_seconds(2000) == pytest.approx(0.1 + 2 * 0.2)
+    assert load.estimate(priority=0, tokens=2000, steps=20) == pytest.approx(5 + 20 * 0.5)
+    assert load.estimate(priority=1, tokens=2000, steps=20, images=2) == pytest.approx(36 + 5 + 20 * 0.5)
+    assert load.estimate(priority=1, tokens=2000, steps=20, images=3) == pytest.approx(36 + 5 + 2 * 20 * 0.5)
     load.remove("batch")
     load.remove("urgent")
     assert load.seconds() == 0
-    fifo = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000, by_priority=False)
+    fifo = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000, by_priority=False, clock=clock.monotonic)
     fifo.add("batch", priority=1, tokens=8000, steps=50)
-    assert fifo.estimate(priority=0, tokens=2000, steps=20) == pytest.approx(45 + 5)  # FIFO: everything is ahead
+    clock.now += 61
+    assert fifo.estimate(priority=0, tokens=2000, steps=20) == pytest.approx(45 + 10)  # FIFO: everything is ahead
     assert DiTLoad(StepTimes().snapshot, 8, None).estimate(0, 2000, 20) == 0  # nothing learned yet: refuses nothing
 
 
@@ -65,7 +72,8 @@ def test_the_router_ranks_replicas_by_work_counting_calls_sent_since_their_last_
     router = bare_router([busy, idle, middle])
     ranks = asyncio.run(router.choose_replicas([busy, idle, middle]))
     assert [[r.replica_id for r in rank] for rank in ranks] == [["idle"], ["middle"], ["busy"]]
-    denoise = SimpleNamespace(metadata=SimpleNamespace(call_method="denoise", multiplexed_model_id=""))
+    denoise = SimpleNamespace(args=["r1-0"], kwargs={},
+                              metadata=SimpleNamespace(call_method="denoise", multiplexed_model_id=""))
     for _ in range(3):  # three denoise calls to "idle" since its report: 1 + 3 x 2 s of work
         router.on_request_routed(denoise, "idle", None)
     assert [r.replica_id for [r] in asyncio.run(router.choose_replicas([busy, idle, middle], denoise))] == [

@@ -375,8 +375,8 @@ class EstimatingStages(FakeStages):
         super().__init__()
         self.seconds, self.asked = seconds, []
 
-    async def estimate(self, plan):
-        self.asked.append(plan)
+    async def estimate(self, plan, request_id=None, budget_s=None):
+        self.asked.append((plan, request_id, budget_s))
         return self.seconds
 
 
@@ -387,15 +387,19 @@ def test_a_request_the_queue_cannot_finish_by_its_deadline_is_refused_at_once(co
     for streamed in (False, True):  # a stream is refused before it starts: a 503, not an error event
         response = client.post("/v1/images/generations", json={**body, "stream": streamed})
         error = response.json()["error"]
-        assert response.status_code == 503 and response.headers["retry-after"] == "15"
+        # The DiT's budget: the deadline less 1 s for the other stages (none seen yet) and a margin: 3.2 s.
+        assert response.status_code == 503 and response.headers["retry-after"] == "17"
         assert error["type"] == "overloaded_error" and "past its 5 s deadline" in error["message"]
     assert not stages.calls  # no stage was asked anything
-    plan = stages.asked[0]
+    plan, request_id, budget = stages.asked[0]
+    assert request_id and budget == pytest.approx((5 - 1 - 0.5) / 1.1)
     assert (plan.request.priority, plan.request.n, plan.num_inference_steps, plan.timeout_s) == (1, 2, 3, 5)
     assert plan.work_tokens > 16  # 64x64 is 16 image tokens; the prompt's come on top
-    response = client.post("/v1/images/generations", json={**body, "timeout": 30})
+    response = client.post("/v1/images/generations", json={**body, "timeout": 30}, headers={"x-request-id": "r7"})
     assert response.status_code == 200
     assert [call.args[1].priority for call in stages.calls_to("denoise")] == [1, 1]
+    assert stages.asked[-1][1] == "r7"  # admitted under the id its calls run under (r7-0, r7-1)
+    assert [call.args[0] for call in stages.calls_to("denoise")] == ["r7-0", "r7-1"]
 
 
 def test_the_dit_shares_steps_between_api_keys_or_else_users(config):
