@@ -1,6 +1,7 @@
 """Soak: thousands of mixed requests on the served app, 16 at a time; nothing lost, no memory growth, no leftovers.
 
     .venv/bin/python -m benchmarks.soak [--requests 2000] [--edits 500] [--plus-edits 500] [--concurrency 16]
+        [--minutes M]   # each phase for M minutes instead of its count (0 skips a phase still)
 
 Three phases, each on a fresh local cluster (``testing.local_serve.LocalServe``):
 
@@ -11,16 +12,16 @@ Three phases, each on a fresh local cluster (``testing.local_serve.LocalServe``)
 - ``config.edit.yaml`` on the tiny Edit-Plus preset: edits of 1 to 3 photos of three sizes, as the edit phase.
 
 A valid request is lost unless it comes back 200 with all its images (a stream: all its ``completed`` events and no
-``error`` event) within its deadline. Every 2 s it samples each replica's resident memory (RSS) and the object store.
-It passes when nothing was lost, no replica grew by 50 MB or more after warm-up (the first fifth of the requests),
-and the object store came back to its baseline. Writes benchmarks/results/soak.json and soak.png.
+``error`` event) within its deadline. Every 2 s it samples the resident memory (RSS) of each process of the cluster
+that serves (every Serve replica, Serve's proxy and controller, the GCS and the raylet) and the object store. It passes
+when nothing was lost, no such process grew by 50 MB or more after warm-up (the first fifth of the requests, or of
+the minutes), and the object store came back to its baseline. Writes benchmarks/results/soak.json and soak.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import concurrent.futures
 import http.client
 import io
 import json
@@ -159,8 +160,21 @@ def one_request(client: Client, i: int, edit: str, timeout: float) -> tuple[str,
     return kind, check(status, answer, n, streamed), time.monotonic() - start
 
 
+def process_label(process) -> str | None:
+    """What a cluster process is, by its title: a Serve replica by its deployment ("Coordinator"), Serve's proxy and
+    controller, the GCS and the raylet; None for the rest (idle workers, agents, monitors)."""
+    cmdline = process.info["cmdline"] or [""]
+    if cmdline[0].startswith("ray::ServeReplica:"):  # then "<app>:<deployment>", and ".<method>" while one runs
+        return cmdline[0].removeprefix("ray::ServeReplica:").split(":")[1].split(".")[0].split()[0]
+    if cmdline[0].startswith(("ray::ProxyActor", "ray::ServeController")):
+        return cmdline[0].removeprefix("ray::").split()[0].split(".")[0]
+    name = cmdline[0].rsplit("/", 1)[-1]
+    return name if name in ("gcs_server", "raylet") else None
+
+
 class Sampler(threading.Thread):
-    """Every ``period_s``: each Serve replica's RSS (MB) and the object store's bytes, until stopped."""
+    """Every ``period_s``: each cluster process's RSS (MB; Serve's replicas, proxy and controller, the GCS and the
+    raylet, labelled ``<what> <pid>``) and the object store's bytes, until stopped."""
 
     def __init__(self, served, period_s: float = 2.0):
         super().__init__(daemon=True)
@@ -172,9 +186,11 @@ class Sampler(threading.Thread):
         import psutil
 
         rss = {}
-        for name, pid in self.served.replica_pids().items():
+        for process in self.served._cluster_processes():
             try:
-                rss[name] = psutil.Process(pid).memory_info().rss / 2**20
+                process.info = {"cmdline": process.cmdline()}
+                if (label := process_label(process)) is not None:
+                    rss[f"{label} {process.pid}"] = process.memory_info().rss / 2**20
             except psutil.NoSuchProcess:
                 pass
         return {"t": time.monotonic(), "rss_mb": rss, "store_bytes": self.served.store_bytes()}
@@ -184,51 +200,65 @@ class Sampler(threading.Thread):
             self.samples.append(self.sample())
 
 
-def phase(config: str, count: int, concurrency: int, edit: str, timeout: float = 300.0, preset: str | None = None
-          ) -> dict:
+def phase(config: str, count: int, concurrency: int, edit: str, timeout: float = 300.0, preset: str | None = None,
+          minutes: float = 0.0) -> dict:
     import ray
     import yaml
 
     from testing.local_serve import LocalServe
 
     name = f"{config} ({preset})" if preset else config
-    print(f"{name}: {count} requests, {concurrency} at a time", flush=True)
+    print(f"{name}: {f'{minutes:g} minutes of requests' if minutes else f'{count} requests'}, {concurrency} at a time",
+          flush=True)
     stage_config = yaml.safe_load((REPO / "stage_configs" / preset).read_text()) if preset else None
     with LocalServe(REPO / config, preset=stage_config) as served:
         connect_ray(served.address)
         try:  # disconnect before LocalServe stops the cluster (`ray stop --force` ends connected drivers too)
-            outcomes, elapsed, sampler, warm_at, baseline, end = drive(served, count, concurrency, edit, timeout)
+            outcomes, elapsed, sampler, warm_at, baseline, end = drive(served, count, concurrency, edit, timeout,
+                                                                          minutes)
         finally:
             ray.shutdown()
     return summarize(name, outcomes, elapsed, sampler.samples, warm_at, baseline, end)
 
 
-def drive(served, count: int, concurrency: int, edit: str, timeout: float):
-    """Sends the mix while the sampler runs; waits up to 30 s for the object store to drain."""
+def drive(served, count: int, concurrency: int, edit: str, timeout: float, minutes: float = 0.0):
+    """Sends the mix while the sampler runs (``count`` requests, or as many as ``minutes`` allow when given), warm
+    after the first fifth of them (of the time); waits up to 30 s for the object store to drain."""
     sampler = Sampler(served)
     baseline = sampler.sample()
     sampler.start()
     client = Client(served.base_url)
-    done = [0]
-    warm_at = [None]
-
-    def run(i):
-        outcome = one_request(client, i, edit, timeout)
-        done[0] += 1
-        if done[0] == max(1, count // 5):
-            warm_at[0] = time.monotonic()
-        return outcome
-
     start = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        outcomes = list(pool.map(run, range(count)))
+    stop_at = start + 60 * minutes if minutes else None
+    warm_at = [start + 12 * minutes if minutes else None]
+    lock, next_index, outcomes = threading.Lock(), [0], {}
+
+    def worker():
+        while True:
+            with lock:
+                i = next_index[0]
+                if (stop_at is None and i >= count) or (stop_at is not None and time.monotonic() >= stop_at):
+                    return
+                next_index[0] += 1
+            outcome = one_request(client, i, edit, timeout)
+            with lock:
+                outcomes[i] = outcome
+                if stop_at is None and len(outcomes) == max(1, count // 5):
+                    warm_at[0] = time.monotonic()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     elapsed = time.monotonic() - start
     deadline = time.monotonic() + 30
     while (end := sampler.sample())["store_bytes"] > baseline["store_bytes"] and time.monotonic() < deadline:
         time.sleep(1)
     sampler.done.set()
     sampler.join()
-    return outcomes, elapsed, sampler, warm_at[0] or start, baseline, end
+    sampler.samples.append(end)
+    return [outcomes[i] for i in sorted(outcomes)], elapsed, sampler, warm_at[0] or start, baseline, end
 
 
 def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dict:
@@ -238,10 +268,13 @@ def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dic
     problems = [(kind, problem) for kind, problem, _ in outcomes if problem is not None]
     latencies = np.array([seconds for kind, problem, seconds in outcomes if kind not in ("invalid", "cancelled")])
     warm = [s for s in samples if s["t"] >= warm_at]
-    growth = {}
-    for name in sorted({n for s in warm for n in s["rss_mb"]}):
+    growth, rss = {}, {}
+    for name in sorted({n for s in samples for n in s["rss_mb"]}):
         series = [s["rss_mb"][name] for s in warm if name in s["rss_mb"]]
         growth[name] = round(series[-1] - series[0], 1) if series else None
+        every = [s["rss_mb"][name] for s in samples if name in s["rss_mb"]]
+        rss[name] = {"start": round(every[0], 1), "warm": round(series[0], 1) if series else None,
+                     "end": round(every[-1], 1), "max": round(max(every), 1)}
     t0 = samples[0]["t"] if samples else 0.0
     return {
         "config": config,
@@ -253,6 +286,7 @@ def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dic
         "requests_per_s": round(len(outcomes) / elapsed, 2),
         "latency_s": {f"p{q}": round(float(np.percentile(latencies, q)), 3) for q in (50, 95, 99)},
         "rss_growth_after_warmup_mb": growth,
+        "rss_mb": rss,
         "store_bytes": {"baseline": baseline["store_bytes"], "end": end["store_bytes"]},
         "samples": [{"t": round(s["t"] - t0, 1), "rss_mb": {k: round(v, 1) for k, v in s["rss_mb"].items()},
                      "store_bytes": s["store_bytes"]} for s in samples],
@@ -272,7 +306,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
             points = [(s["t"], s["rss_mb"][name]) for s in samples if name in s["rss_mb"]]
             ax.plot(*zip(*points), label=name)
         ax.set_xlabel("seconds")
-        ax.set_ylabel("replica RSS (MB)")
+        ax.set_ylabel("process RSS (MB)")
         ax.set_title(f"{phase_report['config']}: {phase_report['requests']} requests, {phase_report['lost']} lost",
                      fontsize=9)
         ax.grid(alpha=0.3)
@@ -287,15 +321,22 @@ def main() -> None:
     parser.add_argument("--plus-edits", type=int, default=500,
                         help="edits of 1 to 3 images on the tiny Edit-Plus preset (0 skips the phase)")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--minutes", type=float, default=0.0,
+                        help="each phase sends requests for this long instead of its count (its count then only says "
+                             "whether it runs); warm-up is its first fifth")
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = parser.parse_args()
-    phases = [phase("config.yaml", args.requests, args.concurrency, edit="")] if args.requests else []
+    phases = []
+    if args.requests:
+        phases.append(phase("config.yaml", args.requests, args.concurrency, edit="", minutes=args.minutes))
     if args.edits:
-        phases.append(phase("config.edit.yaml", args.edits, args.concurrency, edit="edit"))
+        phases.append(phase("config.edit.yaml", args.edits, args.concurrency, edit="edit",
+                            minutes=args.minutes))
     if args.plus_edits:
         phases.append(phase("config.edit.yaml", args.plus_edits, args.concurrency, edit="plus",
-                            preset="qwen_image_edit_plus_tiny.yaml"))
-    report = {"machine": machine(), "concurrency": args.concurrency, "max_growth_mb": MAX_GROWTH_MB, "phases": phases}
+                            preset="qwen_image_edit_plus_tiny.yaml", minutes=args.minutes))
+    report = {"machine": machine(), "concurrency": args.concurrency, "minutes": args.minutes,
+              "max_growth_mb": MAX_GROWTH_MB, "phases": phases}
     write_report(report, args.out, plot)
     failed = False
     for p in phases:

@@ -52,11 +52,20 @@ LOST = (RayActorError, ObjectLostError)
 
 @dataclass(slots=True)
 class Upstream:
-    """A stage's result on its way to another stage, by reference, with the call that made it."""
+    """A stage's result on its way to another stage, by reference, with the call that made it.
+
+    The caller releases its ``Upstream``s once the call that took them has ended (``release``). Ray Serve's request
+    router keeps the arguments of a call it routed in a reference cycle (a routing task it cancelled, whose
+    ``CancelledError`` traceback holds the frame with the call's ``PendingRequest``), which only a full garbage
+    collection frees: released, what the cycle holds is an empty wrapper, not the result in the object store."""
 
     stage: str
     call: StageCall
-    ref: ray.ObjectRef
+    ref: ray.ObjectRef | None
+
+    def release(self) -> None:
+        """Drops the reference (the copy the called replica received keeps its own)."""
+        self.ref = None
 
     async def resolve(self):
         try:
@@ -162,12 +171,19 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         except BaseException:  # cancelled, or the caller closed the stream
             cancel(stream)
             raise
+        finally:  # the call has ended: nothing of ours stays behind in what Serve's router keeps of it
+            for upstream in (*inputs, extra.get("start"), *extra.get("controls", ())):
+                if upstream is not None:
+                    upstream.release()
 
     async def decode(self, request_id: str, latents: ray.ObjectRef, output: OutputMode, preview: bool = False, *,
                      priority: int = 0, tenant: str = "") -> Decoded:
-        response = self.vae.decode.remote(request_id, Upstream("dit", StageCall.DENOISE, latents), output, preview,
-                                          priority, tenant)
-        return await _answer(response, "vae", StageCall.DECODE)
+        upstream = Upstream("dit", StageCall.DENOISE, latents)
+        try:
+            response = self.vae.decode.remote(request_id, upstream, output, preview, priority, tenant)
+            return await _answer(response, "vae", StageCall.DECODE)
+        finally:  # as ``denoise``'s
+            upstream.release()
 
     def cancel(self, handle: DeploymentResponse) -> None:
         cancel(handle)

@@ -214,6 +214,88 @@ def test_stage_errors_from_ray_name_the_lost_call():
     assert stage_error(EngineError("bad", "vae"), "dit", StageCall.DENOISE).stage == "vae"  # a stage's own error passes
 
 
+class _Marker:
+    """Stands for a result in the object store: alive while something refers to it."""
+
+
+class _Ready:
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield
+
+
+class _Handle:
+    """A deployment handle whose calls keep their arguments, as Ray Serve's request router does (in a reference
+    cycle of a routing task it cancelled, freed only by a full garbage collection)."""
+
+    def __init__(self, answer=None, fail=False):
+        self.kept, self.answer, self.fail = [], answer, fail
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, method):
+        handle = self
+
+        class Method:
+            def remote(self, *args, **kwargs):
+                handle.kept.append((args, kwargs))
+                if handle.fail:
+                    raise EngineError("broken", "vae")
+                return _Ready(handle.answer)
+
+        return Method()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_stage_call_that_ended_leaves_no_result_alive_in_the_arguments_serve_keeps(monkeypatch, fail):
+    """The DiT's inputs and the VAE's latents reach the call inside ``Upstream``s that the coordinator empties once the
+    call has ended, so what Serve's router keeps of the call's arguments holds no result in the object store."""
+    import gc
+    import weakref
+
+    from deployments import stages as serve_stages
+    from omni_ray.records import DenoiseParams, Finished, Follows, StepDone
+
+    async def object_ref(response):
+        return response.value
+
+    async def object_ref_stream(response):
+        async def items():
+            yield _Ready(StepDone(1, 1, Follows.RESULT))
+            yield _Marker()
+
+        return items()
+
+    monkeypatch.setattr(serve_stages, "object_ref", object_ref)
+    monkeypatch.setattr(serve_stages, "object_ref_stream", object_ref_stream)
+    dit, vae = _Handle(), _Handle(answer="decoded", fail=fail)
+    stages = serve_stages.ServeStages(_Handle(), dit, vae)
+    responses = [_Ready(_Marker()), _Ready(_Marker())]  # the prompt's encoding, the input image's latents
+    alive = [weakref.ref(response.value) for response in responses]
+
+    async def run(prompt, image):
+        events = [event async for event in stages.denoise("r", DenoiseParams(64, 64, 1, 0), prompt, (image,))]
+        assert isinstance(events[-1], Finished)
+        alive.append(weakref.ref(events[-1].result))
+        try:
+            assert await stages.decode("r", events[-1].result, "pixels") == "decoded"
+        except EngineError:
+            assert fail
+
+    gc.disable()  # what the arguments kept hold must go by reference counts alone
+    try:
+        asyncio.run(run(*responses))
+        responses.clear()
+        assert dit.kept and vae.kept  # the arguments are still kept
+        assert [ref() for ref in alive] == [None, None, None]
+    finally:
+        gc.enable()
+
+
 def test_a_503_carries_retry_after():
     import json
 
