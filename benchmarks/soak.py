@@ -13,9 +13,12 @@ Three phases, each on a fresh local cluster (``testing.local_serve.LocalServe``)
 
 A valid request is lost unless it comes back 200 with all its images (a stream: all its ``completed`` events and no
 ``error`` event) within its deadline. Every 2 s it samples the resident memory (RSS) of each process of the cluster
-that serves (every Serve replica, Serve's proxy and controller, the GCS and the raylet) and the object store. It passes
-when nothing was lost, no such process grew by 50 MB or more after warm-up (the first fifth of the requests, or of
-the minutes), and the object store came back to its baseline. Writes benchmarks/results/soak.json and soak.png.
+that serves (every Serve replica, Serve's proxy and controller, the GCS and the raylet), the part of it in shared
+memory (object store pages the process touched: the store's, bounded by it) and the object store. It passes when
+nothing was lost, no such process's RSS grew by 50 MB or more after warm-up (the first fifth of the requests, or of
+the minutes), and the object store came back to its baseline; the report gives each process's growth over the second
+half of the warm samples too (a leak keeps growing; a cache filling or the heap settling does not) and without
+shared memory. Writes benchmarks/results/soak.json and soak.png.
 """
 
 from __future__ import annotations
@@ -174,7 +177,8 @@ def process_label(process) -> str | None:
 
 class Sampler(threading.Thread):
     """Every ``period_s``: each cluster process's RSS (MB; Serve's replicas, proxy and controller, the GCS and the
-    raylet, labelled ``<what> <pid>``) and the object store's bytes, until stopped."""
+    raylet, labelled ``<what> <pid>``), its part in shared memory (the object store's pages it has touched, which
+    count in its RSS and are the store's, not the process's) and the object store's bytes, until stopped."""
 
     def __init__(self, served, period_s: float = 2.0):
         super().__init__(daemon=True)
@@ -185,19 +189,27 @@ class Sampler(threading.Thread):
     def sample(self) -> dict:
         import psutil
 
-        rss = {}
+        rss, shmem = {}, {}
         for process in self.served._cluster_processes():
             try:
                 process.info = {"cmdline": process.cmdline()}
                 if (label := process_label(process)) is not None:
-                    rss[f"{label} {process.pid}"] = process.memory_info().rss / 2**20
-            except psutil.NoSuchProcess:
+                    memory = process.memory_info()
+                    rss[f"{label} {process.pid}"] = memory.rss / 2**20
+                    shmem[f"{label} {process.pid}"] = shared_mb(process.pid)
+            except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
                 pass
-        return {"t": time.monotonic(), "rss_mb": rss, "store_bytes": self.served.store_bytes()}
+        return {"t": time.monotonic(), "rss_mb": rss, "shmem_mb": shmem, "store_bytes": self.served.store_bytes()}
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
             self.samples.append(self.sample())
+
+
+def shared_mb(pid: int) -> float:
+    """The part of a process's RSS in shared memory (``RssShmem`` in ``/proc/<pid>/status``, MB)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssShmem:")) / 1024
 
 
 def phase(config: str, count: int, concurrency: int, edit: str, timeout: float = 300.0, preset: str | None = None,
@@ -268,10 +280,15 @@ def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dic
     problems = [(kind, problem) for kind, problem, _ in outcomes if problem is not None]
     latencies = np.array([seconds for kind, problem, seconds in outcomes if kind not in ("invalid", "cancelled")])
     warm = [s for s in samples if s["t"] >= warm_at]
-    growth, rss = {}, {}
+    late = warm[len(warm) // 2:]
+    growth, late_growth, private_growth, rss = {}, {}, {}, {}
     for name in sorted({n for s in samples for n in s["rss_mb"]}):
         series = [s["rss_mb"][name] for s in warm if name in s["rss_mb"]]
         growth[name] = round(series[-1] - series[0], 1) if series else None
+        halves = [s["rss_mb"][name] for s in late if name in s["rss_mb"]]
+        late_growth[name] = round(halves[-1] - halves[0], 1) if halves else None
+        private = [s["rss_mb"][name] - s["shmem_mb"].get(name, 0.0) for s in warm if name in s["rss_mb"]]
+        private_growth[name] = round(private[-1] - private[0], 1) if private else None
         every = [s["rss_mb"][name] for s in samples if name in s["rss_mb"]]
         rss[name] = {"start": round(every[0], 1), "warm": round(series[0], 1) if series else None,
                      "end": round(every[-1], 1), "max": round(max(every), 1)}
@@ -286,9 +303,12 @@ def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dic
         "requests_per_s": round(len(outcomes) / elapsed, 2),
         "latency_s": {f"p{q}": round(float(np.percentile(latencies, q)), 3) for q in (50, 95, 99)},
         "rss_growth_after_warmup_mb": growth,
+        "rss_growth_second_half_mb": late_growth,  # over the second half of the warm samples: a leak keeps growing
+        "private_growth_after_warmup_mb": private_growth,  # RSS less shared memory (the object store's pages)
         "rss_mb": rss,
         "store_bytes": {"baseline": baseline["store_bytes"], "end": end["store_bytes"]},
         "samples": [{"t": round(s["t"] - t0, 1), "rss_mb": {k: round(v, 1) for k, v in s["rss_mb"].items()},
+                     "shmem_mb": {k: round(v, 1) for k, v in s["shmem_mb"].items()},
                      "store_bytes": s["store_bytes"]} for s in samples],
     }
 
@@ -344,7 +364,8 @@ def main() -> None:
         leftover = p["store_bytes"]["end"] > p["store_bytes"]["baseline"]
         print(f"{p['config']}: {p['requests']} requests {p['by_kind']} in {p['seconds']} s, lost {p['lost']}, "
               f"p50 {p['latency_s']['p50']} s p99 {p['latency_s']['p99']} s; RSS growth after warm-up (MB) "
-              f"{p['rss_growth_after_warmup_mb']}; object store {p['store_bytes']}")
+              f"{p['rss_growth_after_warmup_mb']}, over its second half {p['rss_growth_second_half_mb']}, less shared "
+              f"memory {p['private_growth_after_warmup_mb']}; object store {p['store_bytes']}")
         for problem in p["problems"]:
             print("  ", problem)
         failed |= bool(p["lost"] or grown or leftover)
