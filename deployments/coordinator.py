@@ -8,7 +8,7 @@ For each request it
    (``api.planning.plan_request``);
 4. admits it, or refuses it at once (503, ``Retry-After``) when it could not promise to finish it within its
    deadline (``deployments.admission``): the DiT replica it will reach counts it from then on; and charges it to its
-   API key's quotas, or refuses it (429, ``Retry-After``: ``http.quotas``);
+   API key's quotas, or refuses it (429, ``Retry-After``: ``http.quotas``), giving up its DiT reservation;
 5. runs it on the one request path (``request_path.run_request``, shared with the in-process pipeline): the
    stages chained by reference over ``deployments.stages.ServeStages``, ``n`` images fanned out, lost stage calls
    issued again, the deadline kept, every stage call cancelled when the caller goes away;
@@ -169,7 +169,7 @@ class CrossEngineCoordinator:
                 body, controls, masks = await bodies.json_body(request, base64_limit(limit)), None, None
         request_id = _request_id(request)
         plan = await self.plan(body, tenant=tenant, control_images=controls, control_masks=masks, request_id=request_id)
-        return await self.respond(plan, request_id, await self.charge(tenant, plan))
+        return await self.respond(plan, request_id, await self.charge(tenant, plan, request_id))
 
     async def edits(self, request: Request) -> Response:
         with self._counting_errors():
@@ -183,7 +183,7 @@ class CrossEngineCoordinator:
             body = parse_request(fields, form=True)
         request_id = _request_id(request)  # []: "image: required"
         plan = await self.plan(body, images, tenant, mask, request_id=request_id)
-        return await self.respond(plan, request_id, await self.charge(tenant, plan))
+        return await self.respond(plan, request_id, await self.charge(tenant, plan, request_id))
 
     async def page(self) -> HTMLResponse:
         """The try-it page: a form over the images API with live previews (``http/web``)."""
@@ -271,11 +271,17 @@ class CrossEngineCoordinator:
             body = await asyncio.to_thread(json_bytes, await self.json_response(plan, request_id))
         return Response(body, media_type="application/json", headers=headers)
 
-    async def charge(self, tenant: str | None, plan: GenerationPlan) -> Lease:
+    async def charge(self, tenant: str | None, plan: GenerationPlan, request_id: str | None = None) -> Lease:
         """Charges an admitted plan to its API key's quotas (``tenant``: the key's name): its lease, or
-        RateLimitError (429, Retry-After) over a limit."""
+        RateLimitError (429, Retry-After) over a limit; then what its admission reserved at the DiT under
+        ``request_id`` is given up."""
         with self._counting_errors():
-            return await self.quotas.acquire(tenant, plan)
+            try:
+                return await self.quotas.acquire(tenant, plan)
+            except BaseException:  # refused, or its caller left: the request will not run
+                if request_id is not None:
+                    self.stages.release(request_id)
+                raise
 
     async def plan(self, body: dict | ImageGenerationRequest, image: bytes | Sequence[bytes] | None = None,
                    tenant: str | None = None, mask: bytes | None = None,

@@ -96,6 +96,11 @@ class DiT(StageDeployment):
             return self.load.estimate(priority, tokens, steps, images, passes, tenant, deadline_s, key)
         return self.load.admit(reservation, budget_s, priority, tokens, steps, images, passes, tenant, deadline_s, key)
 
+    def release(self, reservation: str) -> None:
+        """A request admitted here under ``reservation`` will not come (refused after its admission): the router
+        sends this call to the replica that admitted it."""
+        self.load.release(reservation)
+
     def record_routing_stats(self) -> dict:
         """Serve's router reads it (``deployments.routing.LeastWorkRouter``): the replica's work in cost-seconds, a
         request's mean cost, and when it was said."""

@@ -10,7 +10,7 @@ Serve's own probes saw.
 A request the coordinator admitted was promised by one replica: the one its ``estimate`` call was routed to (by the
 same order), which reserved its work (``DiTLoad.admit``). Its ``denoise`` calls (``{request id}-{index}``) go to that
 replica while it runs, whatever the work figures say by then: the promise holds only there, and that replica counts
-the work already.
+the work already. A ``release`` call (the request was refused after its admission: its key's quota) goes there too.
 
 One router lives in each process that holds a handle to the DiT (each coordinator replica).
 """
@@ -56,6 +56,8 @@ class LeastWorkRouter(FIFOMixin, MultiplexMixin, RequestRouter):
             self._promised = {key: value for key, value in self._promised.items()
                               if now - value[1] < RESERVATION_HOLD_S}
             self._promised[pending_request.kwargs["reservation"]] = (replica_id, now)
+        if method == "release" and pending_request.args:
+            self._promised.pop(str(pending_request.args[0]), None)
         if method != "denoise" or replica_id not in self._replicas or self._promised_replica(pending_request):
             return  # a promised call's work is in its replica's report already
         reported_at = self._replicas[replica_id].routing_stats.get("at", 0.0)
@@ -63,10 +65,14 @@ class LeastWorkRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         self._sent[replica_id] = (reported_at, count + 1 if at == reported_at else 1)
 
     def _promised_replica(self, pending_request: PendingRequest | None) -> ReplicaID | None:
-        """The replica that admitted the request a ``denoise`` call belongs to (None for other calls)."""
-        if pending_request is None or pending_request.metadata.call_method != "denoise" or not pending_request.args:
+        """The replica that admitted the request a ``denoise`` call belongs to, or a ``release`` call gives up (None
+        for other calls)."""
+        if pending_request is None or not pending_request.args:
             return None
-        key = reservation_for(str(pending_request.args[0]), self._promised)
+        method, call_id = pending_request.metadata.call_method, str(pending_request.args[0])
+        if method == "release":
+            return self._promised.get(call_id, (None,))[0]
+        key = reservation_for(call_id, self._promised) if method == "denoise" else None
         return self._promised[key][0] if key is not None else None
 
     def _work(self, replica: RunningReplica) -> tuple[float, int]:

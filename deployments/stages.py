@@ -123,6 +123,11 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
             logger.warning("no estimate from the DiT (%s: %s): the request is admitted", type(err).__name__, err)
             return None
 
+    def release(self, request_id: str) -> None:
+        """Sent, not awaited: the router takes it to the replica that reserved the request (``deployments.routing``);
+        were it lost, the reservation would expire by itself."""
+        self.dit_calls.release.remote(request_id)
+
     async def check_lora(self, path: str) -> LoraEntry:
         """A DiT replica's ``check_lora``: the resolved path and recipe, or RequestError naming ``lora_path``."""
         try:

@@ -103,6 +103,10 @@ class Stages(ABC, Generic[Handle]):
         go where that was promised."""
         return None
 
+    def release(self, request_id: str) -> None:
+        """Gives up what ``estimate`` reserved for a request admitted under ``request_id`` that will not run (its
+        key's quota refused it); a no-op when nothing was reserved."""
+
     @abstractmethod
     async def check_lora(self, path: str) -> LoraEntry:
         """A run-time adapter the DiT can take (its resolved path and the recipe beside it); RequestError (naming

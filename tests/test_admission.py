@@ -257,3 +257,18 @@ def test_the_router_sends_a_requests_calls_to_the_replica_that_admitted_it():
     assert [r.replica_id for [r] in retry] == ["idle"]
     other = asyncio.run(router.choose_replicas([busy, idle], call("denoise", "r10-0")))
     assert [r.replica_id for [r] in other] == ["idle", "busy"]
+    # Refused after its admission (its key's quota): the release goes where the reservation is, and ends the promise.
+    release = call("release", "r1")
+    assert [r.replica_id for [r] in asyncio.run(router.choose_replicas([busy, idle], release))] == ["busy", "idle"]
+    router.on_request_routed(release, "busy", None)
+    assert "r1" not in router._promised
+
+
+def test_a_released_reservation_no_longer_counts():
+    load = DiTLoad(lambda: StepFit(0.1, 1e-4, 10), max_batch_size=1, max_batch_tokens=None)
+    load.reserve("r1", 0, 64, 10)
+    load.reserve("r2", 0, 64, 10)
+    both = load.seconds()
+    load.release("r1")
+    load.release("never-reserved")  # a no-op
+    assert list(load.reserved) == ["r2"] and load.seconds() == pytest.approx(both / 2)

@@ -176,3 +176,28 @@ def png_bytes(mask: bool = False) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+class ReservingStages(FakeStages):
+    """Fake stages whose DiT admits every request (reserving it under its id) and records what is given up."""
+
+    def __init__(self):
+        super().__init__()
+        self.reserved, self.released = [], []
+
+    async def estimate(self, plan, request_id=None, budget_s=None):
+        self.reserved.append(request_id)
+        return 0.0
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+
+def test_a_request_refused_by_its_quota_after_admission_gives_up_its_dit_reservation(config):
+    stages = ReservingStages()
+    http = client(config, "default: rpm=1", stages)
+    assert http.post("/v1/images/generations", json=BODY, headers=keyed(KEYS[0])).status_code == 200
+    assert stages.released == []  # it ran: its calls took the reservation up
+    refused = http.post("/v1/images/generations", json=BODY, headers=keyed(KEYS[0]))
+    assert_refused(refused, "requests", "Limit 1, Used 1")
+    assert len(stages.reserved) == 2 and stages.released == [stages.reserved[1]]

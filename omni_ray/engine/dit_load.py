@@ -181,6 +181,10 @@ class DiTLoad:
         self.reserved[key] = _Work(priority, tenant, tokens, steps, passes, images,
                                    self.clock() + min(hold_s, RESERVATION_HOLD_S))
 
+    def release(self, key: str) -> None:
+        """The request reserved under ``key`` will not come (refused after its admission): its work no longer counts."""
+        self.reserved.pop(key, None)
+
     def row_seconds(self, tokens: int, passes: int = 1) -> float:
         """One step of one request of ``tokens`` tokens in ``passes`` passes, in a step as full as its key batches."""
         rows = max(shape.depth(tokens, passes) for shape in self.shapes)

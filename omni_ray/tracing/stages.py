@@ -78,5 +78,8 @@ class TracedStages(Stages):
     async def estimate(self, *args, **kwargs):
         return await self.stages.estimate(*args, **kwargs)
 
+    def release(self, request_id: str) -> None:
+        self.stages.release(request_id)
+
     async def check_lora(self, path):
         return await self.stages.check_lora(path)
