@@ -16,7 +16,7 @@ from conftest import REPO
 from testing.local_serve import LocalServe
 from testing.lora_files import make_adapter
 from testing.openai_api import conforms
-from testing.serving import scrape, total
+from testing.serving import scrape, stage_stats, total
 
 pytestmark = pytest.mark.serve
 KEYS = ("sk-omni-first", "sk-omni-second")
@@ -165,3 +165,5 @@ def test_a_keys_quota_holds_across_both_coordinator_replicas(served):
                if name in ("ray_omni_quota_requests_total", "ray_omni_quota_refusals_total") and value
                and 'key="key2"' in labels}
     assert len(workers) == 2  # both replicas took key2's requests; the ledger held the limit over both
+    # Each refused request was admitted first (reserved at the DiT until its calls come): refused, it gave that up.
+    assert stage_stats({"address": local.address})["DiT"]["reservations"] == 0
