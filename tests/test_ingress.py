@@ -504,3 +504,32 @@ def test_a_ray_client_stream_reads_what_the_call_put_before_it_returned(monkeypa
     monkeypatch.setattr(ray_queue, "Queue", lambda actor_options: lost_queue)
     lost_handle = type("Handle", (), {"generate_into": type("M", (), {"remote": staticmethod(lambda *a, **k: lost)})})
     assert list(client._queued_events(lost_handle, {}, None, None)) == ["progress"]
+
+
+def test_a_ray_client_connection_the_head_fails_to_start_is_tried_again(monkeypatch):
+    """The head's server for a Ray Client connection at times fails to start (once in a CI run): the client connects
+    on a later try; a cluster address is tried once, and a Ray Client one that fails every time raises its error."""
+    import ray
+
+    from omni_ray.api import client
+
+    calls = []
+
+    def init(address, failures, **options):
+        calls.append(address)
+        if len(calls) <= failures:
+            raise ConnectionAbortedError("Initialization failure from server")
+
+    monkeypatch.setattr(client.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ray, "init", lambda address, **options: init(address, 1, **options))
+    client.connect_ray("ray://head:10001")
+    assert calls == ["ray://head:10001"] * 2
+    calls.clear()
+    with pytest.raises(ConnectionAbortedError):
+        client.connect_ray("127.0.0.1:6379")
+    assert calls == ["127.0.0.1:6379"]
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda address, **options: init(address, 9, **options))
+    with pytest.raises(ConnectionAbortedError):
+        client.connect_ray("ray://head:10001")
+    assert calls == ["ray://head:10001"] * 3

@@ -21,6 +21,7 @@ import contextlib
 import io
 import json
 import pathlib
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -39,11 +40,23 @@ def connect_ray(address: str | None = "auto", **options: Any) -> None:
     Ray Serve caches its controller's handle per driver job id, and job ids repeat from cluster to cluster (the
     second driver of any cluster is job 2), so a process that talked to one cluster would reuse a dead handle on
     the next ("Can't find actor ..."). Forgetting the cache after connecting makes Serve look the controller up.
+
+    A Ray Client address (``ray://``) is tried up to three times: the head starts a server process for each
+    connection, and under load that start at times fails at once, leaving no log ("Starting Ray client server
+    failed"; once in a CI run of the suite), while the next connection's, on a fresh port, succeeds.
     """
     import ray
     from ray.serve import context
 
-    ray.init(address=address, log_to_driver=False, **options)
+    attempts = 3 if str(address).startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, log_to_driver=False, **options)
+            break
+        except ConnectionAbortedError:  # Ray Client's "Initialization failure from server" (it disconnected)
+            if attempt == attempts:
+                raise
+            time.sleep(attempt)
     context._set_global_client(None)
 
 
