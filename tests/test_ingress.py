@@ -521,6 +521,7 @@ def test_a_ray_client_connection_the_head_fails_to_start_is_tried_again(monkeypa
             raise ConnectionAbortedError("Initialization failure from server")
 
     monkeypatch.setattr(client.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda address, **options: init(address, 1, **options))
     client.connect_ray("ray://head:10001")
     assert calls == ["ray://head:10001"] * 2
@@ -533,3 +534,18 @@ def test_a_ray_client_connection_the_head_fails_to_start_is_tried_again(monkeypa
     with pytest.raises(ConnectionAbortedError):
         client.connect_ray("ray://head:10001")
     assert calls == ["ray://head:10001"] * 3
+
+
+def test_connecting_again_closes_a_connection_left_open(monkeypatch):
+    """After ray.shutdown, a Ray call from one of Serve's handle threads connects the process again by itself: the
+    next connect_ray closes that connection instead of failing as "ray.init twice"."""
+    import ray
+
+    from omni_ray.api import client
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: not calls)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "init", lambda address, **options: calls.append(address))
+    client.connect_ray("127.0.0.1:6379")
+    assert calls == ["shutdown", "127.0.0.1:6379"]

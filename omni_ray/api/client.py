@@ -44,10 +44,16 @@ def connect_ray(address: str | None = "auto", **options: Any) -> None:
     A Ray Client address (``ray://``) is tried up to three times: the head starts a server process for each
     connection, and under load that start at times fails at once, leaving no log ("Starting Ray client server
     failed"; once in a CI run of the suite), while the next connection's, on a fresh port, succeeds.
+
+    A connection still open is closed first: after ``ray.shutdown`` Serve's handle threads live on, and a Ray call
+    one of them makes connects this process again by itself (``ray.init()`` with no address: a benchmark's third
+    connection was refused as "ray.init twice").
     """
     import ray
     from ray.serve import context
 
+    if ray.is_initialized():
+        ray.shutdown()
     attempts = 3 if str(address).startswith("ray://") else 1
     for attempt in range(1, attempts + 1):
         try:
