@@ -17,8 +17,8 @@ that serves (every Serve replica, Serve's proxy and controller, the GCS and the 
 memory (object store pages the process touched: the store's, bounded by it) and the object store. It passes when
 nothing was lost, no such process's RSS grew by 50 MB or more after warm-up (the first fifth of the requests, or of
 the minutes), and the object store came back to its baseline; the report gives each process's growth over the second
-half of the warm samples too (a leak keeps growing; a cache filling or the heap settling does not) and without
-shared memory. Writes benchmarks/results/soak.json and soak.png.
+half of the warm samples too (the rise of their least-squares line: a leak keeps growing; a cache filling or the heap
+settling does not) and without shared memory. Writes benchmarks/results/soak.json and soak.png.
 """
 
 from __future__ import annotations
@@ -273,6 +273,16 @@ def drive(served, count: int, concurrency: int, edit: str, timeout: float, minut
     return [outcomes[i] for i in sorted(outcomes)], elapsed, sampler, warm_at[0] or start, baseline, end
 
 
+def trend_mb(points: list[tuple[float, float]]) -> float | None:
+    """How much the least-squares line through ``points`` ((seconds, MB)) rises over their span. Endpoints mislead
+    where RSS swings: the VAE's allocator takes and gives back 15 MB as its batch sizes change, so two samples can
+    differ by 15 MB with no trend; a leak's line keeps rising."""
+    if len(points) < 2:
+        return None
+    t, mb = np.array(points).T
+    return round(float(np.polyfit(t, mb, 1)[0] * (t[-1] - t[0])), 1)
+
+
 def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dict:
     kinds: dict[str, int] = {}
     for kind, _, _ in outcomes:
@@ -285,8 +295,7 @@ def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dic
     for name in sorted({n for s in samples for n in s["rss_mb"]}):
         series = [s["rss_mb"][name] for s in warm if name in s["rss_mb"]]
         growth[name] = round(series[-1] - series[0], 1) if series else None
-        halves = [s["rss_mb"][name] for s in late if name in s["rss_mb"]]
-        late_growth[name] = round(halves[-1] - halves[0], 1) if halves else None
+        late_growth[name] = trend_mb([(s["t"], s["rss_mb"][name]) for s in late if name in s["rss_mb"]])
         private = [s["rss_mb"][name] - s["shmem_mb"].get(name, 0.0) for s in warm if name in s["rss_mb"]]
         private_growth[name] = round(private[-1] - private[0], 1) if private else None
         every = [s["rss_mb"][name] for s in samples if name in s["rss_mb"]]
@@ -303,7 +312,7 @@ def summarize(config, outcomes, elapsed, samples, warm_at, baseline, end) -> dic
         "requests_per_s": round(len(outcomes) / elapsed, 2),
         "latency_s": {f"p{q}": round(float(np.percentile(latencies, q)), 3) for q in (50, 95, 99)},
         "rss_growth_after_warmup_mb": growth,
-        "rss_growth_second_half_mb": late_growth,  # over the second half of the warm samples: a leak keeps growing
+        "rss_growth_second_half_mb": late_growth,  # the trend over the second half of the warm samples (a leak's rises)
         "private_growth_after_warmup_mb": private_growth,  # RSS less shared memory (the object store's pages)
         "rss_mb": rss,
         "store_bytes": {"baseline": baseline["store_bytes"], "end": end["store_bytes"]},

@@ -97,3 +97,14 @@ def test_the_parallel_choice_benchmark_replays_the_same_arrivals_on_each_split_o
     assert runs["per_step"]["steps"].keys() == {"sequence", "rows"}
     errors = runs["rows"]["step_fit_error"]
     assert errors["reported_tokens"]["rows"] < errors["plain_sum"]["rows"]  # uneven rows steps, counted by the busiest
+
+
+def test_the_soak_s_late_growth_is_the_trend_not_two_samples():
+    """A replica whose RSS swings by 15 MB (the VAE's allocator) reads flat; one that rises reads its rise."""
+    from benchmarks.soak import trend_mb
+
+    swinging = [(2.0 * i, 584.0 if i % 7 < 3 else 599.0) for i in range(300)]
+    assert abs(trend_mb(swinging)) < 2 and abs(swinging[-1][1] - swinging[0][1]) == 15
+    rising = [(2.0 * i, 500.0 + 0.05 * i + (3 if i % 2 else 0)) for i in range(300)]
+    assert trend_mb(rising) == pytest.approx(0.05 * 299, abs=0.5)
+    assert trend_mb([(0.0, 1.0)]) is None
