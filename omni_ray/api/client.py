@@ -46,7 +46,7 @@ def connect_ray(address: str | None = "auto", **options: Any) -> None:
     failed"; once in a CI run of the suite), while the next connection's, on a fresh port, succeeds.
 
     A connection still open is closed first: after ``ray.shutdown`` Serve's handle threads live on, and a Ray call
-    one of them makes connects this process again by itself (``ray.init()`` with no address: a benchmark's third
+    one of them makes connects this process again by itself (``ray.init()`` with no address: a benchmark's next
     connection was refused as "ray.init twice").
     """
     import ray
