@@ -120,3 +120,19 @@ def test_a_reduced_dummy_edit_2511_app_edits_two_images(tmp_path):
         pipeline.shutdown()
     assert image.pixels.shape == inputs.vae[-1].shape and image.pixels.dtype == np.uint8
     assert image.dit_passes == {"computed": 4, "reused": 0}
+
+
+def test_random_weights_build_a_transformers_model_too_the_same_from_the_same_seed(tiny_dir):
+    """``random_model`` for the encoder on the transformers runner (and diffusers' pipeline in the GPU plan): a
+    transformers model has ``_from_config`` where a diffusers one has ``from_config``."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from omni_ray.runners.random_weights import random_model
+
+    config = Qwen2_5_VLConfig.from_pretrained(tiny_dir / "text_encoder")
+    first, again = (random_model(Qwen2_5_VLForConditionalGeneration, config, torch.bfloat16, "cpu") for _ in range(2))
+    weights = first.state_dict()
+    assert {w.dtype for w in weights.values() if w.is_floating_point()} == {torch.bfloat16}
+    assert all(torch.equal(weights[name], w) for name, w in again.state_dict().items())
+    assert any(w.float().std() > 0 for w in weights.values() if w.is_floating_point())

@@ -8,14 +8,20 @@ import torch
 
 
 def random_model(cls, config: dict, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
-    """``cls.from_config(config)`` with the layers' own random initialisation from ``seed``, on ``device`` in
+    """``cls.from_config(config)`` (a diffusers model; a transformers model's ``_from_config``, which takes its dtype
+    from the config unless told) with the layers' own random initialisation from ``seed``, on ``device`` in
     ``dtype``; the caller's random state is left as it was."""
+    if hasattr(cls, "from_config"):
+        build = cls.from_config
+    else:
+        def build(config):
+            return cls._from_config(config, dtype=dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), torch.device(device):
             torch.manual_seed(seed)
-            return cls.from_config(config).eval()
+            return build(config).eval()
     finally:
         torch.set_default_dtype(previous)
