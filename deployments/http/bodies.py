@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 
 from omni_ray.api.responses import error_body, json_bytes
 from omni_ray.errors import OmniRayError, OverloadedError, PayloadTooLargeError, RateLimitError, RequestError
@@ -72,7 +74,7 @@ async def _read_form(request: Request, limit: int, param: str, what: str):
 
     try:
         return await Request(request.scope, replay).form(max_files=MAX_FILES, max_fields=64)
-    except Exception as err:  # Starlette's parser raises HTTPException or MultiPartException
+    except (HTTPException, MultiPartException) as err:  # a malformed body; anything else is the server's (500)
         detail = getattr(err, "detail", err)
         if "Too many files" in str(detail):
             raise RequestError(f"{param}: at most {MAX_FILES} files per request", param=param) from None
