@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +37,13 @@ import psutil
 import yaml
 
 BIN = pathlib.Path(sys.executable).parent
+
+
+def tool(name: str) -> str:
+    """A console script of Ray's (``ray``, ``serve``): beside this interpreter, as in a virtual environment, or on
+    the PATH, where ``pip install --target`` left it (the GPU plan's wheels: benchmarks/gpu_plan.sh)."""
+    beside = BIN / name
+    return str(beside) if beside.exists() else shutil.which(name) or str(beside)
 WORKER_STORE_BYTES = 512 << 20  # each worker raylet's object store: they all share this machine's memory
 
 
@@ -83,7 +91,7 @@ class LocalServe:
             self.config["applications"][0]["args"]["stage_config"] = str(self.workdir / "preset.yaml")
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(self.config))
         subprocess.run(
-            [str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
+            [tool("ray"), "start", "--head", f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
              f"--metrics-export-port={self.metrics_port}", f"--ray-client-server-port={self.client_port}",
              *self._dashboard_flags(), "--disable-usage-stats",
              f"--resources={json.dumps(self.head_resources)}", *self.head_args],
@@ -91,13 +99,13 @@ class LocalServe:
         )
         for resources in self.workers:
             subprocess.run(
-                [str(BIN / "ray"), "start", f"--address={self.address}", f"--num-cpus={self.num_cpus}",
+                [tool("ray"), "start", f"--address={self.address}", f"--num-cpus={self.num_cpus}",
                  f"--resources={json.dumps(resources)}", f"--object-store-memory={WORKER_STORE_BYTES}",
                  "--disable-usage-stats"],
                 check=True, env=self.env, capture_output=True, timeout=120,
             )
         self.process = subprocess.Popen(
-            [str(BIN / "serve"), "run", "config.yaml", f"--address={self.address}"],
+            [tool("serve"), "run", "config.yaml", f"--address={self.address}"],
             cwd=self.workdir, env=self.env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True,  # a signal sent to it (tests send SIGINT and SIGTERM) stays with it
             # Ctrl-C stops it as at a terminal, even when this process was started in the background by a
@@ -123,7 +131,7 @@ class LocalServe:
         path = self.workdir / f"deploy-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(config))
         before = self.applications()[app]["last_deployed_time_s"]
-        subprocess.run([str(BIN / "serve"), "deploy", str(path), f"--address={self.dashboard_url}"],
+        subprocess.run([tool("serve"), "deploy", str(path), f"--address={self.dashboard_url}"],
                        check=True, env=self.env, capture_output=True, timeout=120, cwd=self.workdir)
         deadline = time.monotonic() + timeout_s
         while self.applications()[app]["last_deployed_time_s"] == before:
@@ -219,10 +227,15 @@ class LocalServe:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def _wait_ready(self) -> None:
+        """Until /health answers 200. `serve run` stays up when the app cannot be built or a replica keeps failing
+        to start (Serve retries it for ever): the log's first such failure, or its third, ends the wait at once."""
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"serve run exited:\n{self.log()[-4000:]}")
+            log = self.log()
+            if "' failed with exception" in log or log.count("Exception in Replica(") >= 3:
+                raise RuntimeError(f"the app failed to deploy:\n{log[-6000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"serve run not ready in {self.ready_timeout_s:.0f} s:\n{self.log()[-4000:]}")
             try:
