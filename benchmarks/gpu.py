@@ -2,8 +2,11 @@
 
     python -m benchmarks.gpu                          # on a machine with a CUDA GPU: every variant, JSON and a plot
     python -m benchmarks.gpu --profile                # where one step's time goes, by kernel class
-    python -m benchmarks.gpu --dry-run                # any machine: parameter counts (every published config folder)
+    python -m benchmarks.gpu --counts                 # any machine: parameter counts (every published config folder)
                                                       # and the shared preset's placement
+
+On a lent GPU machine this runs as the GPU plan's first command (``benchmarks/gpu_plan.py``: ``profile``), which
+writes the report after each phase and rehearses it on the CPU at toy sizes.
 
 No checkpoint can be downloaded here, so both models are built from Qwen-Image's published architecture with random
 bf16 weights, directly on the GPU. For each size (512, 1024, 1328 square), true CFG on, the time of one denoising step
@@ -142,7 +145,11 @@ def _levels(a, b) -> int:
 
 
 def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repeats: int, num_layers: int,
-        variants: list[str], profile_sizes: list[int]) -> dict:
+        variants: list[str], profile_sizes: list[int], save=lambda report: None, deadline: float = float("inf")
+        ) -> dict:
+    """Every variant's figures; ``save(report)`` is called as each phase ends (diffusers, each of ours, the VAE),
+    and a phase that would start after ``deadline`` (``time.monotonic``) is skipped and named in
+    ``report["skipped"]``. ``configs``: the models' config folder (the tiny checkpoint's for a rehearsal)."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
@@ -164,7 +171,7 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
         "params": {"transformer": sum(p.numel() for p in transformer.parameters()),
                    "vae": sum(p.numel() for p in vae.parameters())},
         "num_layers": num_layers, "variants": variants, "sizes": [], "compile_s": None, "distance": {},
-        "fp8_skipped": None,
+        "fp8_skipped": None, "skipped": [],
         "attention_backend": None, "profile": {},
         "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if device == "cuda" else None,
     }
@@ -185,8 +192,19 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
         runner.step([state])
         return state.latents.float()
 
+    def phase_ends() -> None:
+        report["sizes"] = list(entries.values())
+        save(report)
+
+    def in_time(phase: str) -> bool:
+        if time.monotonic() < deadline:
+            return True
+        report["skipped"].append(phase)
+        print(f"{phase} skipped: the command's time is up", flush=True)
+        return False
+
     # 1. diffusers' own loop, its own attention processor
-    if "diffusers" in variants:
+    if "diffusers" in variants and in_time("diffusers"):
         transformer.set_attn_processor(QwenDoubleStreamAttnProcessor2_0())
         pipe = QwenImagePipeline(FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae, None, None, transformer)
         pipe.set_progress_bar_config(disable=True)
@@ -209,6 +227,7 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
                 entries[side]["vae_decode_diffusers_s"] = round(timed(lambda: vae.decode(unpacked), repeats), 4)
             print(f"{side}: diffusers {1000 * seconds:.0f} ms a step, VAE decode "
                   f"{1000 * entries[side]['vae_decode_diffusers_s']:.0f} ms", flush=True)
+        phase_ends()
         use_real_rope(transformer)
     runner = DenoiseRunner(transformer, SCHEDULER_CONFIG)
     if device == "cuda":
@@ -217,6 +236,8 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
     # 2. ours: eager, then compiled, then FP8 on top (each changes the transformer in place)
     reference = {side: one_step_latents(runner, side) for side in sizes}
     for variant in [v for v in ("eager", "compiled", "fp8") if v in variants]:
+        if not in_time(variant):
+            continue
         if variant == "compiled":
             compile_blocks(transformer)  # as dit.compile does
             report["compile_s"] = round(runner.warm_up(sizes[0], sizes[0], text_tokens), 1)
@@ -250,14 +271,15 @@ def run(sizes: list[int], batches: list[int], steps: int, text_tokens: int, repe
                 states = states_for(runner, side, 1)
                 report["profile"][side] = profile_step(lambda: runner.step(states))
                 print(f"{side}: profile {report['profile'][side]}", flush=True)
+        phase_ends()
 
     # 3. the VAE
-    for side in sizes:
+    for side in sizes if in_time("vae") else []:
         _reset_peak()
         entries[side]["vae_decode_s"] = round(timed(lambda: decoder.decode([latents_of[side]]), repeats), 4)
         entries[side]["vae_peak_memory_gib"] = _peak_gib()
         print(f"{side}: VAE decode {1000 * entries[side]['vae_decode_s']:.0f} ms", flush=True)
-    report["sizes"] = list(entries.values())
+    phase_ends()
     return report
 
 
@@ -315,7 +337,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 SHARED_PRESET = "stage_configs/qwen_image_shared.yaml"
 
 
-def dry_run() -> dict:
+def counts() -> dict:
     """The full-size models built on the meta device from the shipped configs: parameter counts against the
     published ones (``params`` Qwen-Image's; ``params_by_configs`` each folder of omni_ray/model_configs', which
     share Qwen-Image's shapes but qwen-image-2.1's, another architecture); and the shared-GPU preset's placement
@@ -347,11 +369,11 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--profile", action="store_true", help="break one eager step down by kernel class")
     parser.add_argument("--profile-sizes", nargs="+", type=int, default=[1024, 1328])
-    parser.add_argument("--dry-run", action="store_true",
+    parser.add_argument("--counts", action="store_true",
                         help="no GPU: build the full-size models on the meta device and write their sizes")
     args = parser.parse_args()
-    if args.dry_run:
-        report = dry_run()
+    if args.counts:
+        report = counts()
         pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(json.dumps(report, indent=1))
         return

@@ -127,9 +127,13 @@ def check(status, data: bytes, n: int, streamed: bool) -> str | None:
     return None
 
 
-def one_request(client: Client, i: int, edit: str, timeout: float) -> tuple[str, str | None, float]:
-    """Request ``i`` of the mix (``edit``: "" for text to image, "edit" or "plus"): (kind, problem or None,
-    seconds)."""
+TOY_SIZES = ("64x64", "96x64", "64x96")
+
+
+def one_request(client: Client, i: int, edit: str, timeout: float, sizes: tuple[str, ...] = TOY_SIZES
+                ) -> tuple[str, str | None, float]:
+    """Request ``i`` of the mix (``edit``: "" for text to image, "edit" or "plus"; a generation's size one of
+    ``sizes``): (kind, problem or None, seconds)."""
     start = time.monotonic()
     path = "/v1/images/edits" if edit else "/v1/images/generations"
     if i % 10 == 0:
@@ -145,7 +149,7 @@ def one_request(client: Client, i: int, edit: str, timeout: float) -> tuple[str,
     body = {"prompt": f"a quiet harbour, take {i % 11}", "seed": i, "n": n, "num_inference_steps": 2 + i % 5,
             **({"negative_prompt": "blurry"} if i % 2 else {}), **({"stream": True} if streamed else {})}
     if not edit:
-        body["size"] = ("64x64", "96x64", "64x96")[i % 3]
+        body["size"] = sizes[i % len(sizes)]
     masked = edit == "edit" and i % 5 == 3
     if masked:
         body["strength"] = 0.4 + 0.2 * (i % 4)

@@ -17,7 +17,7 @@ from omni_ray.qwen_image import PUBLISHED_PARAMS
 
 def test_gpu_dry_run_builds_the_full_size_models_with_the_published_parameter_counts(tmp_path):
     out = tmp_path / "dry.json"
-    subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(out)], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--counts", "--out", str(out)], cwd=REPO, check=True,
                    capture_output=True, timeout=300)
     report = json.loads(out.read_text())
     assert set(report["params"]) == {"transformer", "vae", "text_encoder"}

@@ -1,0 +1,650 @@
+"""The GPU plan: four self-contained commands for a lent H100 or H200, each under 9 minutes, each writing its JSON as
+each phase ends, so that a command cut short still returns what it measured.
+
+On the GPU machine, through the device tool, from the repository root, with the wheels of ``make gpu-wheels``
+carried (``.whl/profile`` for the first command, ``.whl/serve`` for the others; the README says each one's size):
+
+    bash benchmarks/gpu_plan.sh profile      # (a) the machine, then benchmarks.gpu: diffusers' loop against ours
+                                             #     eager, compiled and FP8, batch 1-8, 512/1024/1328, kernel classes,
+                                             #     the VAE   -> gpu_profile.json have.txt gpu.json gpu.png
+    bash benchmarks/gpu_plan.sh serve        # (b) the one-GPU dummy preset served: 1024/50 steps one at a time,
+                                             #     512/20 eight at a time, each stage's GPU memory, the coordinator's
+                                             #     CPU per image; the same requests in process and through diffusers'
+                                             #     pipeline  -> gpu_serve.json app.log
+    bash benchmarks/gpu_plan.sh reliability  # (c) 200 mixed requests, the DiT replica killed once: lost requests,
+                                             #     GPU memory against its baseline  -> gpu_reliability.json app.log
+    bash benchmarks/gpu_plan.sh qwen21       # (d) Qwen-Image 2.1's dummy preset: served latency at 1024x1024 (a
+                                             #     generation and an edit), then in process its DiT's first step
+                                             #     (which fills the condition cache) against the later ones (which
+                                             #     read it), and the cache's bytes  -> gpu_qwen21.json app.log
+
+Each command's JSON starts with the machine (``environment``: the GPU, driver, Python and package versions).
+(``gpu_plan.sh`` installs the carried wheels into /tmp/site, then runs ``python3 -m benchmarks.gpu_plan COMMAND --out
+$OUT``, its output teed to ``$OUT/COMMAND.log``.) Each JSON lists ``phases_done``, ``phases_skipped`` (a phase that
+would have started after ``--budget-s``, 480 s by default) and ``failed`` (the phase and its error), and is replaced
+atomically, so a command killed mid-write leaves the last whole one.
+
+``--dry-run`` runs the same phases on the CPU on the tiny checkpoints at toy sizes (the profile on Qwen-Image's
+full-size configs at one block): the rehearsal in the suite (tests/test_gpu_plan.py), which proves each command writes
+every file it promises. ``--cut-after PHASE`` ends the process as the device tool's time limit would, right after
+PHASE's JSON is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PRESETS = REPO / "stage_configs"
+SERVE_CONFIG = REPO / "config.yaml"
+PACKAGES = ("torch", "transformers", "diffusers", "ray", "pydantic", "fastapi", "torchao", "numpy", "safetensors")
+PROMPT = "a lighthouse on a cliff at dusk, photo"
+NEGATIVE = "blurry, low quality"
+STAGE_DEPLOYMENTS = ("Encoder", "DiT", "VAE")
+
+
+class Record:
+    """One command's JSON, rewritten whole after each phase (atomically: a process killed mid-write leaves the last
+    whole file)."""
+
+    def __init__(self, path: pathlib.Path, command: str, dry_run: bool, budget_s: float, cut_after: str | None = None):
+        self.path = path
+        self.started = time.monotonic()
+        self.budget_s = budget_s
+        self.cut_after = cut_after
+        self.data = {"command": command, "dry_run": dry_run, "budget_s": budget_s,
+                     "phases_done": [], "phases_skipped": [], "failed": None}
+        self.save()
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(time.monotonic() - self.started, 1)
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        os.replace(partial, self.path)
+
+    def phase(self, name: str, measure, needs_s: float = 0.0):
+        """Runs ``measure()`` and records what it returns under ``name``, unless less than ``needs_s`` of the budget
+        is left (then the phase is skipped and None returned). A failure is recorded and raised."""
+        left = self.budget_s - (time.monotonic() - self.started)
+        if left < needs_s:
+            print(f"[{name}] skipped: {left:.0f} s of the budget left, it needs {needs_s:.0f}", flush=True)
+            self.data["phases_skipped"].append(name)
+            self.save()
+            return None
+        print(f"[{name}] at {time.monotonic() - self.started:.0f} s", flush=True)
+        try:
+            result = measure()
+        except BaseException as error:
+            self.data["failed"] = {"phase": name, "error": traceback.format_exc(limit=8)[-3000:]}
+            self.save()
+            print(f"[{name}] failed: {error!r}", flush=True)
+            raise
+        self.data[name] = result
+        self.data["phases_done"].append(name)
+        self.save()
+        print(f"[{name}] done: {json.dumps(result, default=str)[:600]}", flush=True)
+        if self.cut_after == name:
+            os._exit(124)  # as the device tool's limit would: no clean-up, no more output
+        return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The machine
+
+
+def environment() -> dict:
+    """The GPU, its driver, the Python and package versions that ran the command."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    report = {
+        "python": platform.python_version(), "cpus": os.cpu_count(), "cuda_available": cuda,
+        "torch_cuda": torch.version.cuda,
+        "packages": {name: _version(name) for name in PACKAGES},
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                            "--format=csv,noheader"]),
+    }
+    return report
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run(command: list[str]) -> str | None:
+    """A command's output, or None where it is missing or fails (nvidia-smi on a CPU machine)."""
+    if shutil.which(command[0]) is None:
+        return None
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def gpu_memory(pids: dict[str, int]) -> dict:
+    """The GPU's memory in use (MiB) and each named process's share, from nvidia-smi; None where there is none."""
+    used = _run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"])
+    apps = _run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
+    by_pid = {}
+    for line in (apps or "").splitlines():
+        pid, mib = (field.strip() for field in line.split(","))
+        by_pid[int(pid)] = int(mib)
+    return {"used_mib": int(used.split(",")[0]) if used else None,
+            "total_mib": int(used.split(",")[1]) if used else None,
+            "by_process_mib": {name: by_pid.get(pid) for name, pid in pids.items()}}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (a) profile
+
+
+def profile(record: Record, args) -> None:
+    from benchmarks import gpu
+
+    def save(report: dict) -> None:  # gpu.json as each variant ends, as gpu_profile.json is after each phase
+        partial = args.out / "gpu.json.partial"
+        partial.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(partial, args.out / "gpu.json")
+
+    record.phase("environment", environment)
+    record.phase("packages", lambda: _packages(args.out / "have.txt"))
+    if args.dry_run:  # one full-width block on the CPU; the compiled variant compiles for the CPU
+        settings = {"sizes": [64], "batches": [1, 2], "steps": 2, "text_tokens": 8, "repeats": 1, "num_layers": 1,
+                    "profile_sizes": [64]}
+    else:
+        settings = {"sizes": [512, 1024, 1328], "batches": [1, 2, 4, 8], "steps": 20, "text_tokens": 64,
+                    "repeats": 3, "num_layers": 60, "profile_sizes": [1024, 1328]}
+    deadline = record.started + record.budget_s - 60  # a phase started later may not end in time
+
+    def dit_and_vae() -> dict:
+        report = gpu.run(variants=list(gpu.VARIANTS), save=save, deadline=deadline, **settings)
+        gpu.plot(report, args.out / "gpu.png")
+        return {"file": "gpu.json", "skipped": report["skipped"], "fp8_skipped": report["fp8_skipped"]}
+
+    record.phase("dit_and_vae", dit_and_vae)
+
+
+def _packages(path: pathlib.Path) -> dict:
+    """The machine's own ``pip list --format=freeze`` (not the carried wheels on PYTHONPATH), written to ``path``:
+    what tools/gpu_machine_have.txt stands in for."""
+    own = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    listing = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True,
+                             text=True, timeout=120, env=own).stdout
+    path.write_text(listing)
+    return {"count": len(listing.splitlines()), "file": path.name}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The served commands
+
+
+def preset(name: str, dry_run: bool, **changes) -> dict:
+    """A shipped preset with the encoder on the transformers runner (vLLM's CUDA wheel cannot travel), each stage's
+    section updated by ``changes`` (``dit={"compile": False}``). A rehearsal's tiny preset takes random weights too,
+    as the GPU's dummy presets do, so that it runs the same code."""
+    data = yaml.safe_load((PRESETS / name).read_text())
+    data["encoder"]["runner"] = "transformers"
+    if dry_run:
+        data["weights"] = "dummy"
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}
+    return data
+
+
+def serving(stage_config: dict, dry_run: bool):
+    """The app served on a cluster of this machine (testing.local_serve: `ray start`, `serve run`)."""
+    import torch
+
+    from testing.local_serve import LocalServe
+
+    head_args = [f"--num-gpus={torch.cuda.device_count()}"] if torch.cuda.is_available() else []
+    return LocalServe(SERVE_CONFIG, preset=stage_config, num_cpus=4 if dry_run else os.cpu_count(),
+                      ready_timeout_s=300 if dry_run else 420, head_args=head_args)
+
+
+def started(served) -> dict:
+    ready_s = round(time.time() - served.started_at, 1)
+    pids = served.replica_pids()
+    return {"ready_s": ready_s, "replicas": pids, "gpu_memory": gpu_memory(pids)}
+
+
+def _post(base_url: str, path: str, body: bytes, content_type: str, timeout: float = 600) -> tuple[int, dict]:
+    from benchmarks.soak import Client
+
+    status, data = Client(base_url).send(path, body, content_type, timeout)
+    try:
+        return status, json.loads(data)
+    except ValueError:
+        return status, {"raw": data[:300].decode(errors="replace")}
+
+
+def closed_loop(served, body: dict, *, concurrency: int, count: int, warmup: int,
+                path: str = "/v1/images/generations", files: list[bytes] = ()) -> dict:
+    """``warmup`` requests (not counted), then ``count`` requests ``concurrency`` at a time: throughput, latency,
+    each stage's time (``timings``), the coordinator's and the HTTP proxy's CPU per image, the GPU's memory."""
+    from benchmarks.soak import multipart
+
+    body = {**body, "timings": True}
+    if files:
+        fields = {k: str(v).lower() if isinstance(v, bool) else v for k, v in body.items()}
+        data, content_type = multipart(fields, list(files))
+    else:
+        data, content_type = json.dumps(body).encode(), "application/json"
+
+    def one() -> tuple[float, int, dict]:
+        start = time.monotonic()
+        status, answer = _post(served.base_url, path, data, content_type)
+        return time.monotonic() - start, status, answer
+
+    run_at_most(one, warmup, concurrency)
+    processes = cpu_processes(served)
+    cpu_before = {name: _cpu_s(pid) for name, pid in processes.items()}
+    start = time.monotonic()
+    outcomes = run_at_most(one, count, concurrency)
+    wall = time.monotonic() - start
+    cpu = {name: _cpu_s(pid) - cpu_before[name] for name, pid in processes.items()}
+    ok = [(seconds, answer) for seconds, status, answer in outcomes if status == 200]
+    images = sum(len(answer["data"]) for _, answer in ok)
+    stages = [item["timings_ms"] for _, answer in ok for item in answer["data"]]
+    latencies = sorted(seconds for seconds, _ in ok)
+    errors, first_error = {}, None
+    for _, status, answer in outcomes:
+        if status != 200:
+            errors[str(status)] = errors.get(str(status), 0) + 1
+            first_error = first_error or json.dumps(answer)[:500]
+    return {
+        "size": body.get("size"), "steps": body.get("num_inference_steps"), "true_cfg": "negative_prompt" in body,
+        "concurrency": concurrency, "requests": count, "ok": len(ok), "errors": errors, "first_error": first_error,
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(len(ok) / wall, 3), "images_per_s": round(images / wall, 3),
+        "latency_s": {"mean": _round(statistics.fmean(latencies)) if latencies else None,
+                      "p50": _round(statistics.median(latencies)) if latencies else None,
+                      "max": _round(latencies[-1]) if latencies else None, "all": [_round(s) for s in latencies]},
+        "stage_ms_mean": {stage: round(statistics.fmean(s[stage] for s in stages), 1)
+                          for stage in (stages[0] if stages else {})},
+        "cpu_ms_per_image": {name: round(1000 * seconds / images, 1) if images else None
+                             for name, seconds in cpu.items()},
+        "gpu_memory": gpu_memory(served.replica_pids()),
+    }
+
+
+def run_at_most(call, count: int, concurrency: int) -> list:
+    """``count`` calls of ``call()`` with at most ``concurrency`` running; their results in the order they ended."""
+    results, lock, issued = [], threading.Lock(), [0]
+
+    def worker():
+        while True:
+            with lock:
+                if issued[0] >= count:
+                    return
+                issued[0] += 1
+            result = call()
+            with lock:
+                results.append(result)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, count))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def cpu_processes(served) -> dict[str, int]:
+    """The coordinator replica's process and Serve's HTTP proxy's, by name."""
+    import psutil
+
+    pids = {"coordinator": served.replica_pids().get("Coordinator")}
+    for process in psutil.process_iter(["cmdline"]):
+        if (process.info["cmdline"] or [""])[0].startswith("ray::ProxyActor"):
+            pids["http_proxy"] = process.pid
+    return {name: pid for name, pid in pids.items() if pid is not None}
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def _round(seconds: float) -> float:
+    return round(seconds, 3)
+
+
+def in_process(stage_config: dict, body: dict, count: int, image: bytes | None = None) -> dict:
+    """The same request ``count`` times (after one warm-up) through the three engines in this process (omni_ray's
+    Pipeline, no Ray), one at a time."""
+    from omni_ray.config import parse_config
+    from omni_ray.pipeline import Pipeline
+
+    pipeline = Pipeline(parse_config(stage_config))
+    try:
+        inputs = _input_images(pipeline, image) if image is not None else None
+        asyncio.run(pipeline.generate(body, inputs))
+        latencies = []
+        for _ in range(count):
+            start = time.monotonic()
+            asyncio.run(pipeline.generate(body, inputs))
+            latencies.append(time.monotonic() - start)
+    finally:
+        pipeline.shutdown()
+        del pipeline
+        _free_gpu()
+    return {"requests": count, "latency_s": {"mean": _round(statistics.fmean(latencies)),
+                                             "all": [_round(s) for s in latencies]}}
+
+
+def _input_images(pipeline, image: bytes):
+    from omni_ray.api.images import load_input_images
+
+    return load_input_images([image], pipeline.config)
+
+
+def through_diffusers(stage_config: dict, body: dict, count: int) -> dict:
+    """The same request through diffusers' ``QwenImagePipeline`` on the preset's checkpoint (its components with
+    random weights where the preset's are dummy), ``count`` times after one warm-up."""
+    import torch
+
+    from omni_ray import checkpoints
+    from omni_ray.config import parse_config
+
+    config = checkpoints.ensure(parse_config(stage_config))
+    dtype = getattr(torch, config.dit.dtype)
+    device = config.dit.device
+    pipe = diffusers_pipeline(config.model, config.weights == "dummy", dtype, device)
+    width, height = (int(side) for side in body["size"].split("x"))
+
+    def generate(pipe):
+        pipe(prompt=body["prompt"], negative_prompt=body.get("negative_prompt"), true_cfg_scale=4.0, width=width,
+             height=height, num_inference_steps=body["num_inference_steps"],
+             generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    try:
+        generate(pipe)
+        latencies = []
+        for _ in range(count):
+            start = time.monotonic()
+            generate(pipe)
+            latencies.append(time.monotonic() - start)
+    finally:
+        del pipe
+        _free_gpu()
+    return {"requests": count, "latency_s": {"mean": _round(statistics.fmean(latencies)),
+                                             "all": [_round(s) for s in latencies]}}
+
+
+def diffusers_pipeline(model: str, dummy: bool, dtype, device: str):
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from omni_ray.runners.random_weights import random_model
+
+    root = pathlib.Path(model)
+    pipe = QwenImagePipeline.from_pretrained(model, dtype=dtype).to(device) if not dummy else QwenImagePipeline(
+        FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler"),
+        random_model(AutoencoderKLQwenImage, AutoencoderKLQwenImage.load_config(root / "vae"), dtype, device),
+        random_model(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig.from_pretrained(root / "text_encoder"),
+                     dtype, device),
+        AutoTokenizer.from_pretrained(root / "tokenizer"),
+        random_model(QwenImageTransformer2DModel, QwenImageTransformer2DModel.load_config(root / "transformer"),
+                     dtype, device),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _free_gpu() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def serve(record: Record, args) -> None:
+    """(b): issue 26's served figures, and the same requests in process and through diffusers."""
+    record.phase("environment", environment)
+    if args.dry_run:
+        stage_config = preset("qwen_image_tiny.yaml", True)
+        latency = {"size": "64x64", "num_inference_steps": 2}
+        throughput = {"size": "64x64", "num_inference_steps": 2}
+        counts = {"latency": 2, "throughput": 8, "in_process": 2}
+    else:
+        stage_config = preset("qwen_image_one_gpu_dummy.yaml", False)
+        latency = {"size": "1024x1024", "num_inference_steps": 50}
+        throughput = {"size": "512x512", "num_inference_steps": 20}
+        counts = {"latency": 2, "throughput": 16, "in_process": 2}  # after 1 and 8 not counted
+    latency = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "seed": 0, **latency}
+    throughput = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "seed": 0, **throughput}
+    with serving(stage_config, args.dry_run) as served:
+        record.phase("start", lambda: started(served))
+        record.phase("latency", lambda: closed_loop(served, latency, concurrency=1, count=counts["latency"],
+                                                    warmup=1))
+        record.phase("throughput", lambda: closed_loop(served, throughput, concurrency=8,
+                                                       count=counts["throughput"], warmup=8), needs_s=90)
+        _keep_log(served, args.out / "app.log")
+    record.phase("in_process", lambda: in_process(stage_config, latency, counts["in_process"]), needs_s=120)
+    record.phase("diffusers", lambda: through_diffusers(stage_config, latency, counts["in_process"]), needs_s=90)
+    served_s = (record.data.get("latency") or {}).get("latency_s", {}).get("mean")
+    local_s = (record.data.get("in_process") or {}).get("latency_s", {}).get("mean")
+    record.data["served_over_in_process"] = round(served_s / local_s, 3) if served_s and local_s else None
+    record.save()
+
+
+def _keep_log(served, path: pathlib.Path) -> None:
+    path.write_text(served.log()[-200_000:])
+
+
+def reliability(record: Record, args) -> None:
+    """(c): 200 mixed requests, 16 at a time, the DiT replica killed with SIGKILL once a third have ended; every
+    request must still be answered (invalid ones with their 400), and the GPU's memory must come back to what it
+    held before the kill."""
+    from benchmarks.soak import Client, one_request
+
+    record.phase("environment", environment)
+    if args.dry_run:
+        stage_config, sizes, count = preset("qwen_image_tiny.yaml", True), ("64x64", "96x64", "64x96"), 40
+    else:  # not compiled: the replacement replica is serving sooner
+        stage_config = preset("qwen_image_one_gpu_dummy.yaml", False, dit={"compile": False})
+        sizes, count = ("512x512", "768x512", "512x768"), 200
+    with serving(stage_config, args.dry_run) as served:
+        client = Client(served.base_url)
+        record.phase("start", lambda: started(served))
+
+        def baseline() -> dict:
+            for i in range(4):  # every stage has run once: its memory is what it holds while serving
+                one_request(client, 1 + 2 * i, "", 600, sizes=sizes)
+            return gpu_memory(served.replica_pids())
+
+        before = record.phase("baseline", baseline)
+        record.phase("requests", lambda: kill_once(served, client, count, sizes))
+
+        def after() -> dict:
+            time.sleep(0 if args.dry_run else 10)  # the GPU's driver frees a killed process's memory
+            memory = gpu_memory(served.replica_pids())
+            change = (memory["used_mib"] - before["used_mib"]) if memory["used_mib"] is not None else None
+            return {**memory, "change_mib": change,
+                    "back_to_baseline": abs(change) <= 1024 if change is not None else None}
+
+        record.phase("after", after)
+        _keep_log(served, args.out / "app.log")
+
+
+def kill_once(served, client, count: int, sizes: tuple[str, ...]) -> dict:
+    from benchmarks.soak import one_request
+
+    outcomes, lock, issued = {}, threading.Lock(), [0]
+    killed = {}
+
+    def worker():
+        while True:
+            with lock:
+                i = issued[0]
+                if i >= count:
+                    return
+                issued[0] += 1
+            outcome = one_request(client, i, "", 900, sizes=sizes)
+            with lock:
+                outcomes[i] = outcome
+                if len(outcomes) == count // 3 and not killed:
+                    killed["pid"] = served.replica_pids()["DiT"]
+                    killed["at_s"] = round(time.monotonic() - start, 1)
+                    os.kill(killed["pid"], signal.SIGKILL)
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.monotonic() - start
+    replaced_by = served.replica_pids().get("DiT")
+    problems = {i: problem for i, (_, problem, _) in outcomes.items() if problem is not None}
+    kinds = {}
+    for kind, _, _ in outcomes.values():
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return {"requests": count, "answered": len(outcomes), "lost": len(problems) + count - len(outcomes),
+            "problems": {str(i): p for i, p in list(problems.items())[:20]}, "kinds": kinds,
+            "killed": {**killed, "replaced_by": replaced_by}, "wall_s": round(wall, 1)}
+
+
+def qwen21(record: Record, args) -> None:
+    """(d): Qwen-Image 2.1's dummy preset served at 1024x1024, then its DiT in process: a first step (it fills the
+    condition cache) against later ones (they read it), and the cache's bytes."""
+    from benchmarks.soak import photo
+
+    record.phase("environment", environment)
+    if args.dry_run:
+        stage_config, side, steps, count = preset("qwen_image_2_1_tiny.yaml", True), 64, 2, 1
+    else:
+        stage_config, side, steps, count = preset("qwen_image_2_1_dummy.yaml", False), 1024, 40, 2
+    body = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "seed": 0, "size": f"{side}x{side}",
+            "num_inference_steps": steps}
+    condition = photo(0, side, side)
+    with serving(stage_config, args.dry_run) as served:
+        record.phase("start", lambda: started(served))
+        record.phase("generation", lambda: closed_loop(served, body, concurrency=1, count=count, warmup=1))
+        record.phase("edit", lambda: closed_loop(served, body, concurrency=1, count=count, warmup=1,
+                                                 path="/v1/images/edits", files=[condition]), needs_s=60)
+        _keep_log(served, args.out / "app.log")
+    record.phase("condition_cache", lambda: condition_cache(stage_config, side, steps=4), needs_s=90)
+
+
+def condition_cache(stage_config: dict, side: int, steps: int) -> dict:
+    """Qwen-Image 2.1's DiT in process on one true-CFG request, a generation (a 100-token prompt) and an edit (one
+    condition image of ``side``): each step's time, the first (it computes the whole sequence and keeps the
+    condition's keys and values) against the later ones (the target's tokens alone), and the cache's bytes."""
+    import torch
+
+    from omni_ray import checkpoints
+    from omni_ray.config import parse_config
+    from omni_ray.qwen_image21 import vision_slots
+    from omni_ray.records import DenoiseParams, Latents, PromptEmbeds
+    from omni_ray.runners.denoise21 import Denoise21Runner
+
+    config = checkpoints.ensure(parse_config(stage_config))
+    dtype, device = getattr(torch, config.dit.dtype), config.dit.device
+    runner = Denoise21Runner.load(config.model, dtype, device, dummy=config.weights == "dummy")
+    context = runner.transformer.config.context_in_dim
+    channels = runner.transformer.config.in_channels
+    generator = torch.Generator().manual_seed(0)
+    image = Latents(torch.randn((side // 16) ** 2, channels, generator=generator), side, side)
+    slots = vision_slots(side, side)
+
+    def embeds(images: tuple) -> PromptEmbeds:  # 100 text tokens, then the image's vision tokens
+        marked = torch.zeros(100 + slots * len(images), dtype=torch.bool)
+        marked[100:] = True
+        return PromptEmbeds(torch.randn(len(marked), context, generator=generator), marked if images else None)
+
+    report = {"side": side, "prompt_tokens": 100}
+    try:
+        for kind, images in (("generation", ()), ("edit", (image,))):
+            params = DenoiseParams(side, side, steps, seed=0, true_cfg_scale=4.0, true_cfg=True)
+            warm_up = runner.prepare(params, embeds(images), embeds(images), images=images)
+            for _ in range(2):  # a first and a later step of the same shapes, so the timed ones find kernels ready
+                runner.step([warm_up])
+            del warm_up
+            state = runner.prepare(params, embeds(images), embeds(images), images=images)
+            times = []
+            for _ in range(steps):
+                _synchronize()
+                start = time.perf_counter()
+                runner.step([state])
+                _synchronize()
+                times.append(time.perf_counter() - start)
+            first, later = times[0], statistics.fmean(times[1:])
+            report[kind] = {"first_step_s": round(first, 4), "later_step_s": round(later, 4),
+                            "saving_per_step_s": round(first - later, 4), "cache_bytes": state.cache_bytes,
+                            "step_times_s": [round(t, 4) for t in times]}
+    finally:
+        del runner
+        _free_gpu()
+    return report
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+COMMANDS = {"profile": (profile, "gpu_profile.json"), "serve": (serve, "gpu_serve.json"),
+            "reliability": (reliability, "gpu_reliability.json"), "qwen21": (qwen21, "gpu_qwen21.json")}
+# Every file a command promises under --out (beside its log, which gpu_plan.sh writes): the rehearsal checks them.
+PROMISES = {"profile": ("gpu_profile.json", "have.txt", "gpu.json", "gpu.png"),
+            "serve": ("gpu_serve.json", "app.log"),
+            "reliability": ("gpu_reliability.json", "app.log"),
+            "qwen21": ("gpu_qwen21.json", "app.log")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=COMMANDS)
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="the folder for the JSON ($OUT there)")
+    parser.add_argument("--dry-run", action="store_true", help="the CPU, the tiny checkpoints, toy sizes")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="no phase starts that would need more than what is left of this")
+    parser.add_argument("--cut-after", metavar="PHASE", help="end the process right after this phase's JSON is "
+                        "written, as the device tool's time limit would (the rehearsal's check)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run, name = COMMANDS[args.command]
+    record = Record(args.out / name, args.command, args.dry_run, args.budget_s, args.cut_after)
+    run(record, args)
+    print(f"{args.command}: {record.data['phases_done']} done, {record.data['phases_skipped']} skipped, "
+          f"in {time.monotonic() - record.started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
