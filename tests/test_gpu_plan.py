@@ -27,21 +27,21 @@ def run_plan(command: str, out, *options: str) -> subprocess.CompletedProcess:
                           env=environment, capture_output=True, text=True, timeout=600)
 
 
-def finished(command: str, out) -> dict:
+def rehearsed(command: str, out, phases: list[str]) -> dict:
+    """The command's JSON once its dry run has ended well: every promised file written, every phase done."""
+    result = run_plan(command, out)
+    assert result.returncode == 0, result.stdout[-4000:]
     for name in (*gpu_plan.PROMISES[command], f"{command}.log"):
         assert (out / name).stat().st_size > 0, name
     assert not list(out.glob("*.partial"))
     record = json.loads((out / gpu_plan.COMMANDS[command][1]).read_text())
     assert (record["failed"], record["phases_skipped"], record["dry_run"]) == (None, [], True)
-    assert record["environment"]["packages"]["torch"]
+    assert record["environment"]["packages"]["torch"] and record["phases_done"] == phases
     return record
 
 
 def test_the_profile_command_writes_the_machine_and_every_variant(tmp_path):
-    result = run_plan("profile", tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:]
-    record = finished("profile", tmp_path)
-    assert record["phases_done"] == ["environment", "packages", "dit_and_vae"]
+    record = rehearsed("profile", tmp_path, ["environment", "packages", "dit_and_vae"])
     assert "torch==" in (tmp_path / "have.txt").read_text()
     report = json.loads((tmp_path / "gpu.json").read_text())
     (size,) = report["sizes"]
@@ -50,6 +50,7 @@ def test_the_profile_command_writes_the_machine_and_every_variant(tmp_path):
     assert report["distance"]["compiled"]["64"]["latents_rel_l2"] < 0.05  # compiled agrees with eager
     assert report["fp8_skipped"].startswith("dit.quantization: fp8 needs a CUDA GPU")  # said, not hidden
     assert report["profile"]["64"]["by_class_ms"]["matmul"] > 0 and report["skipped"] == []
+    assert record["dit_and_vae"] == {"file": "gpu.json", "skipped": [], "fp8_skipped": report["fp8_skipped"]}
 
 
 def test_a_command_cut_off_after_a_phase_leaves_that_phase_s_json(tmp_path):
@@ -74,10 +75,7 @@ def test_a_phase_that_fails_is_recorded_and_one_past_the_budget_is_skipped(tmp_p
 
 @pytest.mark.serve
 def test_the_serve_command_measures_served_in_process_and_diffusers(tmp_path):
-    result = run_plan("serve", tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:]
-    record = finished("serve", tmp_path)
-    assert record["phases_done"] == ["environment", "start", "latency", "throughput", "in_process", "diffusers"]
+    record = rehearsed("serve", tmp_path, ["environment", "start", "latency", "throughput", "in_process", "diffusers"])
     assert set(record["start"]["replicas"]) == {"Coordinator", "Encoder", "DiT", "VAE"}
     for phase, concurrency in (("latency", 1), ("throughput", 8)):
         figures = record[phase]
@@ -92,10 +90,7 @@ def test_the_serve_command_measures_served_in_process_and_diffusers(tmp_path):
 
 @pytest.mark.serve
 def test_the_reliability_command_kills_the_dit_once_and_loses_nothing(tmp_path):
-    result = run_plan("reliability", tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:]
-    record = finished("reliability", tmp_path)
-    assert record["phases_done"] == ["environment", "start", "baseline", "requests", "after"]
+    record = rehearsed("reliability", tmp_path, ["environment", "start", "baseline", "requests", "after"])
     requests = record["requests"]
     assert (requests["answered"], requests["lost"], requests["problems"]) == (requests["requests"], 0, {})
     assert requests["killed"]["replaced_by"] not in (None, requests["killed"]["pid"])
@@ -104,10 +99,7 @@ def test_the_reliability_command_kills_the_dit_once_and_loses_nothing(tmp_path):
 
 @pytest.mark.serve
 def test_the_qwen21_command_serves_and_times_the_condition_cache(tmp_path):
-    result = run_plan("qwen21", tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:]
-    record = finished("qwen21", tmp_path)
-    assert record["phases_done"] == ["environment", "start", "generation", "edit", "condition_cache"]
+    record = rehearsed("qwen21", tmp_path, ["environment", "start", "generation", "edit", "condition_cache"])
     assert record["generation"]["ok"] == record["generation"]["requests"] == record["edit"]["ok"]
     assert "vae_encode" in record["edit"]["stage_ms_mean"]  # the condition image went through the VAE's encoder
     cache = record["condition_cache"]
