@@ -47,10 +47,30 @@ def tool(name: str) -> str:
 WORKER_STORE_BYTES = 512 << 20  # each worker raylet's object store: they all share this machine's memory
 
 
+_HANDED_OUT: set[int] = set()  # ports this process has chosen: a cluster started later may not yet listen on them
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free now and never handed out before by this process. The sockets stay bound
+    until all are chosen: closed one at a time, the kernel could give the same port twice (it did: a head's GCS and
+    metrics ports, and `ray start` failed)."""
+    sockets, ports = [], []
+    try:
+        while len(ports) < count:
+            sockets.append(socket.socket())
+            sockets[-1].bind(("127.0.0.1", 0))
+            port = sockets[-1].getsockname()[1]
+            if port not in _HANDED_OUT:
+                ports.append(port)
+                _HANDED_OUT.add(port)
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class LocalServe:
@@ -61,10 +81,10 @@ class LocalServe:
                  workers: list[dict[str, float]] = (), preset: dict | None = None, env: dict[str, str] | None = None,
                  head_args: list[str] = (), dashboard: bool = False):
         self.config = yaml.safe_load(pathlib.Path(config).read_text())
-        self.dashboard_port = free_port() if dashboard else None
+        self.port, self.gcs_port, self.metrics_port, self.client_port, dashboard_port, self.agent_port = free_ports(6)
+        self.dashboard_port = dashboard_port if dashboard else None
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}" if dashboard else None
         self.preset = preset
-        self.port, self.gcs_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
         self.config["http_options"]["port"] = self.port
         if model is not None:
             self.config["applications"][0]["args"]["model"] = model
@@ -123,7 +143,7 @@ class LocalServe:
         if self.dashboard_port is None:
             return ["--include-dashboard=false"]
         return ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-                f"--dashboard-agent-listen-port={free_port()}"]
+                f"--dashboard-agent-listen-port={self.agent_port}"]
 
     def deploy(self, config: dict, app: str = "omni-ray", timeout_s: float = 60.0) -> None:
         """Applies ``config`` (a whole Serve config, its HTTP port this cluster's) to the running cluster with
