@@ -57,7 +57,6 @@ SERVE_CONFIG = REPO / "config.yaml"
 PACKAGES = ("torch", "transformers", "diffusers", "ray", "pydantic", "fastapi", "torchao", "numpy", "safetensors")
 PROMPT = "a lighthouse on a cliff at dusk, photo"
 NEGATIVE = "blurry, low quality"
-STAGE_DEPLOYMENTS = ("Encoder", "DiT", "VAE")
 
 
 class Record:
@@ -110,21 +109,17 @@ class Record:
 
 
 def environment() -> dict:
-    """The GPU, its driver, the Python and package versions that ran the command."""
+    """The GPU, its driver, the Python and package versions that ran the command. The GPU is read through nvidia-smi:
+    this process takes no CUDA context (its memory) while the served app shares the GPU."""
     import torch
 
-    cuda = torch.cuda.is_available()
-    report = {
-        "python": platform.python_version(), "cpus": os.cpu_count(), "cuda_available": cuda,
-        "torch_cuda": torch.version.cuda,
-        "packages": {name: _version(name) for name in PACKAGES},
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
-        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
-        "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                            "--format=csv,noheader"]),
+    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm",
+                "--format=csv,noheader"])
+    return {
+        "python": platform.python_version(), "cpus": os.cpu_count(), "cuda_available": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda, "packages": {name: _version(name) for name in PACKAGES},
+        "device": smi.splitlines()[0].split(",")[0].strip() if smi else "cpu", "nvidia_smi": smi,
     }
-    return report
 
 
 def _version(name: str) -> str | None:
@@ -333,7 +328,7 @@ def _round(seconds: float) -> float:
     return round(seconds, 3)
 
 
-def in_process(stage_config: dict, body: dict, count: int, image: bytes | None = None) -> dict:
+def in_process(stage_config: dict, body: dict, count: int) -> dict:
     """The same request ``count`` times (after one warm-up) through the three engines in this process (omni_ray's
     Pipeline, no Ray), one at a time."""
     from omni_ray.config import parse_config
@@ -341,12 +336,11 @@ def in_process(stage_config: dict, body: dict, count: int, image: bytes | None =
 
     pipeline = Pipeline(parse_config(stage_config))
     try:
-        inputs = _input_images(pipeline, image) if image is not None else None
-        asyncio.run(pipeline.generate(body, inputs))
+        asyncio.run(pipeline.generate(body))
         latencies = []
         for _ in range(count):
             start = time.monotonic()
-            asyncio.run(pipeline.generate(body, inputs))
+            asyncio.run(pipeline.generate(body))
             latencies.append(time.monotonic() - start)
     finally:
         pipeline.shutdown()
@@ -354,12 +348,6 @@ def in_process(stage_config: dict, body: dict, count: int, image: bytes | None =
         _free_gpu()
     return {"requests": count, "latency_s": {"mean": _round(statistics.fmean(latencies)),
                                              "all": [_round(s) for s in latencies]}}
-
-
-def _input_images(pipeline, image: bytes):
-    from omni_ray.api.images import load_input_images
-
-    return load_input_images([image], pipeline.config)
 
 
 def through_diffusers(stage_config: dict, body: dict, count: int) -> dict:
@@ -480,19 +468,26 @@ def reliability(record: Record, args) -> None:
         client = Client(served.base_url)
         record.phase("start", lambda: started(served))
 
-        def baseline() -> dict:
-            for i in range(4):  # every stage has run once: its memory is what it holds while serving
-                one_request(client, 1 + 2 * i, "", 600, sizes=sizes)
-            return gpu_memory(served.replica_pids())
+        def each_stage_runs() -> list[str]:  # four of the mix, none invalid or abandoned: the problems, if any
+            answers = [one_request(client, i, "", 600, sizes=sizes) for i in (1, 2, 3, 5)]
+            return [problem for _, problem, _ in answers if problem is not None]
+
+        def baseline() -> dict:  # what each stage holds while serving, once it has served
+            problems = each_stage_runs()
+            return {**gpu_memory(served.replica_pids()), "problems": problems}
 
         before = record.phase("baseline", baseline)
         record.phase("requests", lambda: kill_once(served, client, count, sizes))
 
-        def after() -> dict:
-            time.sleep(0 if args.dry_run else 10)  # the GPU's driver frees a killed process's memory
+        def after() -> dict:  # the replacement DiT serving as its predecessor did, then the GPU's memory again
+            deadline = time.monotonic() + 300
+            while "DiT" not in served.replica_pids() and time.monotonic() < deadline:
+                time.sleep(1)
+            problems = each_stage_runs()
+            time.sleep(0 if args.dry_run else 10)  # the driver frees a killed process's memory
             memory = gpu_memory(served.replica_pids())
             change = (memory["used_mib"] - before["used_mib"]) if memory["used_mib"] is not None else None
-            return {**memory, "change_mib": change,
+            return {**memory, "problems": problems, "change_mib": change,
                     "back_to_baseline": abs(change) <= 1024 if change is not None else None}
 
         record.phase("after", after)

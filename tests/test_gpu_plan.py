@@ -91,6 +91,7 @@ def test_the_serve_command_measures_served_in_process_and_diffusers(tmp_path):
 @pytest.mark.serve
 def test_the_reliability_command_kills_the_dit_once_and_loses_nothing(tmp_path):
     record = rehearsed("reliability", tmp_path, ["environment", "start", "baseline", "requests", "after"])
+    assert record["baseline"]["problems"] == [] == record["after"]["problems"]  # the replacement DiT serves
     requests = record["requests"]
     assert (requests["answered"], requests["lost"], requests["problems"]) == (requests["requests"], 0, {})
     assert requests["killed"]["replaced_by"] not in (None, requests["killed"]["pid"])
