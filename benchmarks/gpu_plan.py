@@ -21,19 +21,22 @@ carried (``.whl/profile`` for the first command, ``.whl/serve`` for the others; 
 Each command's JSON starts with the machine (``environment``: the GPU, driver, Python and package versions).
 (``gpu_plan.sh`` installs the carried wheels into /tmp/site, then runs ``python3 -m benchmarks.gpu_plan COMMAND --out
 $OUT``, its output teed to ``$OUT/COMMAND.log``.) Each JSON lists ``phases_done``, ``phases_skipped`` (a phase that
-would have started after ``--budget-s``, 480 s by default) and ``failed`` (the phase and its error), and is replaced
-atomically, so a command killed mid-write leaves the last whole one.
+would have started with less than it needs of ``--budget-s`` left, 480 s by default), ``failed`` (each failed phase
+and its error; a failed phase ends the command only when the later ones need it) and ``cut`` (the phase the watchdog
+ended at ``--limit-s``, 540 s, stopping the served app first, before the device tool's 600 s would end the command
+and leave the cluster holding the GPU). It is replaced atomically, so a command killed mid-write leaves the last
+whole one.
 
 ``--dry-run`` runs the same phases on the CPU on the tiny checkpoints at toy sizes (the profile on Qwen-Image's
 full-size configs at one block): the rehearsal in the suite (tests/test_gpu_plan.py), which proves each command writes
-every file it promises. ``--cut-after PHASE`` ends the process as the device tool's time limit would, right after
-PHASE's JSON is written.
+every file it promises, and that a command cut by its limit (``--limit-s``) still leaves the phases it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -55,64 +58,114 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PRESETS = REPO / "stage_configs"
 SERVE_CONFIG = REPO / "config.yaml"
 PACKAGES = ("torch", "transformers", "diffusers", "ray", "pydantic", "fastapi", "torchao", "numpy", "safetensors")
+# What each command imports of the carried wheels (tools/gpu_wheels/): checked first, so a missing one is named.
+PROFILE_MODULES = ("diffusers", "pydantic", "matplotlib")
+SERVED_MODULES = ("ray.serve", "fastapi", "starlette", "uvicorn", "pydantic", "multipart", "diffusers",
+                  "opentelemetry.sdk", "psutil", "yaml")
 PROMPT = "a lighthouse on a cliff at dusk, photo"
 NEGATIVE = "blurry, low quality"
 
 
+class PhaseFailed(Exception):
+    """A required phase failed (its error is in the JSON already): the command ends."""
+
+
 class Record:
     """One command's JSON, rewritten whole after each phase (atomically: a process killed mid-write leaves the last
-    whole file)."""
+    whole file). Times count from ``started_at`` (epoch seconds: when gpu_plan.sh began, its wheels' install
+    included). A watchdog ends the command at ``limit_s``, before the device tool's own limit would: it writes the
+    JSON naming the phase it cut, runs ``cleanup`` (the served app's cluster, which would outlive a killed command and
+    hold the GPU) and exits 124."""
 
-    def __init__(self, path: pathlib.Path, command: str, dry_run: bool, budget_s: float, cut_after: str | None = None):
+    def __init__(self, path: pathlib.Path, command: str, dry_run: bool, budget_s: float, limit_s: float,
+                 started_at: float | None = None):
         self.path = path
-        self.started = time.monotonic()
+        self.started = time.monotonic() - (time.time() - started_at if started_at else 0.0)
         self.budget_s = budget_s
-        self.cut_after = cut_after
-        self.data = {"command": command, "dry_run": dry_run, "budget_s": budget_s,
-                     "phases_done": [], "phases_skipped": [], "failed": None}
+        self.cleanup = None  # set while something outlives this process if it is killed
+        self.current: str | None = None
+        self.lock = threading.Lock()
+        self.data = {"command": command, "dry_run": dry_run, "budget_s": budget_s, "limit_s": limit_s,
+                     "phases_done": [], "phases_skipped": [], "failed": [], "cut": None}
         self.save()
+        threading.Thread(target=self._watch, args=(limit_s,), daemon=True).start()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
 
     def save(self) -> None:
-        self.data["elapsed_s"] = round(time.monotonic() - self.started, 1)
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
-        os.replace(partial, self.path)
+        with self.lock:
+            self.data["elapsed_s"] = round(self.elapsed(), 1)
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+            os.replace(partial, self.path)
 
-    def phase(self, name: str, measure, needs_s: float = 0.0):
+    def phase(self, name: str, measure, needs_s: float = 0.0, required: bool = False):
         """Runs ``measure()`` and records what it returns under ``name``, unless less than ``needs_s`` of the budget
-        is left (then the phase is skipped and None returned). A failure is recorded and raised."""
-        left = self.budget_s - (time.monotonic() - self.started)
+        is left (then the phase is skipped). A failure is recorded with its traceback, and raised if the phase is
+        ``required`` (the later ones need it); otherwise the command goes on. Returns the figures, or None."""
+        if self.data["cut"]:  # the watchdog is ending the command: nothing after its cut is recorded
+            return None
+        left = self.budget_s - self.elapsed()
         if left < needs_s:
             print(f"[{name}] skipped: {left:.0f} s of the budget left, it needs {needs_s:.0f}", flush=True)
             self.data["phases_skipped"].append(name)
             self.save()
             return None
-        print(f"[{name}] at {time.monotonic() - self.started:.0f} s", flush=True)
+        print(f"[{name}] at {self.elapsed():.0f} s", flush=True)
+        self.current = name
         try:
             result = measure()
-        except BaseException as error:
-            self.data["failed"] = {"phase": name, "error": traceback.format_exc(limit=8)[-3000:]}
+            if self.data["cut"]:  # it ended as the watchdog stopped the app: not a figure
+                return None
+        except Exception as error:
+            if self.data["cut"]:
+                return None
+            self.data["failed"].append({"phase": name, "error": traceback.format_exc(limit=8)[-3000:]})
             self.save()
             print(f"[{name}] failed: {error!r}", flush=True)
-            raise
+            if required:
+                raise PhaseFailed(name) from error
+            return None
+        finally:
+            self.current = None
         self.data[name] = result
         self.data["phases_done"].append(name)
         self.save()
         print(f"[{name}] done: {json.dumps(result, default=str)[:600]}", flush=True)
-        if self.cut_after == name:
-            os._exit(124)  # as the device tool's limit would: no clean-up, no more output
         return result
+
+    def _watch(self, limit_s: float) -> None:
+        time.sleep(max(0.0, limit_s - self.elapsed()))
+        self.data["cut"] = {"phase": self.current, "at_s": round(self.elapsed(), 1)}
+        self.save()
+        print(f"[{self.current}] cut at {self.elapsed():.0f} s: the command's limit", flush=True)
+        if self.cleanup is not None:
+            with contextlib.suppress(Exception):
+                self.cleanup()
+        os._exit(124)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The machine
 
 
-def environment() -> dict:
-    """The GPU, its driver, the Python and package versions that ran the command. The GPU is read through nvidia-smi:
-    this process takes no CUDA context (its memory) while the served app shares the GPU."""
+def environment(modules: tuple[str, ...] = ()) -> dict:
+    """The GPU, its driver, the Python and package versions that ran the command; raises, naming them, if any of
+    ``modules`` (what the command needs of the carried wheels) cannot be imported. The GPU is read through
+    nvidia-smi: this process takes no CUDA context (its memory) while the served app shares the GPU."""
+    import importlib
+
     import torch
 
+    missing = {}
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - each missing one is named
+            missing[module] = repr(error)
+    if missing:
+        raise RuntimeError(f"cannot import what the command needs (were the wheels carried?): {missing}")
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm",
                 "--format=csv,noheader"])
     return {
@@ -138,16 +191,23 @@ def _run(command: list[str]) -> str | None:
 
 
 def gpu_memory(pids: dict[str, int]) -> dict:
-    """The GPU's memory in use (MiB) and each named process's share, from nvidia-smi; None where there is none."""
+    """The GPU's memory in use (MiB) and each named process's share, from nvidia-smi; None where it has no figure
+    (no nvidia-smi; ``[N/A]`` under some virtualisation; process ids from another namespace). nvidia-smi's own lines
+    are kept, so a figure it did not give can still be read."""
     used = _run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"])
     apps = _run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
     by_pid = {}
     for line in (apps or "").splitlines():
-        pid, mib = (field.strip() for field in line.split(","))
-        by_pid[int(pid)] = int(mib)
-    return {"used_mib": int(used.split(",")[0]) if used else None,
-            "total_mib": int(used.split(",")[1]) if used else None,
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+            by_pid[int(fields[0])] = int(fields[1])
+    totals = [_mib(field) for field in used.splitlines()[0].split(",")] if used else [None, None]
+    return {"used_mib": totals[0], "total_mib": totals[-1], "apps": apps,
             "by_process_mib": {name: by_pid.get(pid) for name, pid in pids.items()}}
+
+
+def _mib(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() else None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -162,7 +222,7 @@ def profile(record: Record, args) -> None:
         partial.write_text(json.dumps(report, indent=1) + "\n")
         os.replace(partial, args.out / "gpu.json")
 
-    record.phase("environment", environment)
+    record.phase("environment", lambda: environment(PROFILE_MODULES), required=True)
     record.phase("packages", lambda: _packages(args.out / "have.txt"))
     if args.dry_run:  # one full-width block on the CPU; the compiled variant compiles for the CPU
         settings = {"sizes": [64], "batches": [1, 2], "steps": 2, "text_tokens": 8, "repeats": 1, "num_layers": 1,
@@ -207,15 +267,33 @@ def preset(name: str, dry_run: bool, **changes) -> dict:
     return data
 
 
-def serving(stage_config: dict, dry_run: bool):
-    """The app served on a cluster of this machine (testing.local_serve: `ray start`, `serve run`)."""
+@contextlib.contextmanager
+def served_app(record: Record, stage_config: dict, args):
+    """The app served on a cluster of this machine (testing.local_serve: `ray start`, `serve run`), started as the
+    ``start`` phase; its log kept in ``app.log`` and its cluster stopped however the command ends, the watchdog's cut
+    included. On the GPU machine a cluster a cut command left behind is stopped first: it would hold the GPU."""
     import torch
 
-    from testing.local_serve import LocalServe
+    from testing.local_serve import LocalServe, tool
 
+    if not args.dry_run:  # never on a shared CPU machine: `ray stop --force` ends every cluster there
+        subprocess.run([tool("ray"), "stop", "--force"], capture_output=True, timeout=120)
     head_args = [f"--num-gpus={torch.cuda.device_count()}"] if torch.cuda.is_available() else []
-    return LocalServe(SERVE_CONFIG, preset=stage_config, num_cpus=4 if dry_run else os.cpu_count(),
-                      ready_timeout_s=300 if dry_run else 420, head_args=head_args)
+    served = LocalServe(SERVE_CONFIG, preset=stage_config, num_cpus=4 if args.dry_run else os.cpu_count(),
+                        ready_timeout_s=300 if args.dry_run else 420, head_args=head_args)
+
+    def stop() -> None:
+        _keep_log(served, args.out / "app.log")
+        served.__exit__(None, None, None)
+
+    record.cleanup = stop
+    try:
+        before = gpu_memory({})
+        record.phase("start", lambda: {**started(served.__enter__()), "gpu_memory_before": before}, required=True)
+        yield served
+    finally:
+        record.cleanup = None
+        stop()
 
 
 def started(served) -> dict:
@@ -247,9 +325,12 @@ def closed_loop(served, body: dict, *, concurrency: int, count: int, warmup: int
     else:
         data, content_type = json.dumps(body).encode(), "application/json"
 
-    def one() -> tuple[float, int, dict]:
+    def one(_) -> tuple[float, int, dict]:
         start = time.monotonic()
-        status, answer = _post(served.base_url, path, data, content_type)
+        try:
+            status, answer = _post(served.base_url, path, data, content_type)
+        except OSError as error:  # a reset connection or a timeout: the request's answer, counted
+            status, answer = 598, {"raw": repr(error)}
         return time.monotonic() - start, status, answer
 
     run_at_most(one, warmup, concurrency)
@@ -285,7 +366,8 @@ def closed_loop(served, body: dict, *, concurrency: int, count: int, warmup: int
 
 
 def run_at_most(call, count: int, concurrency: int) -> list:
-    """``count`` calls of ``call()`` with at most ``concurrency`` running; their results in the order they ended."""
+    """``call(i)`` for i in 0..count-1 with at most ``concurrency`` running; their results in the order they ended,
+    a call that raised as its exception (a connection reset or a timeout is a result too: counted, not lost)."""
     results, lock, issued = [], threading.Lock(), [0]
 
     def worker():
@@ -293,8 +375,12 @@ def run_at_most(call, count: int, concurrency: int) -> list:
             with lock:
                 if issued[0] >= count:
                     return
+                i = issued[0]
                 issued[0] += 1
-            result = call()
+            try:
+                result = call(i)
+            except Exception as error:  # noqa: BLE001 - the caller counts it
+                result = error
             with lock:
                 results.append(result)
 
@@ -334,6 +420,7 @@ def in_process(stage_config: dict, body: dict, count: int) -> dict:
     from omni_ray.config import parse_config
     from omni_ray.pipeline import Pipeline
 
+    free_gib = _gpu_free_gib()
     pipeline = Pipeline(parse_config(stage_config))
     try:
         asyncio.run(pipeline.generate(body))
@@ -346,8 +433,8 @@ def in_process(stage_config: dict, body: dict, count: int) -> dict:
         pipeline.shutdown()
         del pipeline
         _free_gpu()
-    return {"requests": count, "latency_s": {"mean": _round(statistics.fmean(latencies)),
-                                             "all": [_round(s) for s in latencies]}}
+    return {"requests": count, "gpu_free_gib_before": free_gib,
+            "latency_s": {"mean": _round(statistics.fmean(latencies)), "all": [_round(s) for s in latencies]}}
 
 
 def through_diffusers(stage_config: dict, body: dict, count: int) -> dict:
@@ -361,6 +448,7 @@ def through_diffusers(stage_config: dict, body: dict, count: int) -> dict:
     config = checkpoints.ensure(parse_config(stage_config))
     dtype = getattr(torch, config.dit.dtype)
     device = config.dit.device
+    free_gib = _gpu_free_gib()
     pipe = diffusers_pipeline(config.model, config.weights == "dummy", dtype, device)
     width, height = (int(side) for side in body["size"].split("x"))
 
@@ -381,8 +469,8 @@ def through_diffusers(stage_config: dict, body: dict, count: int) -> dict:
     finally:
         del pipe
         _free_gpu()
-    return {"requests": count, "latency_s": {"mean": _round(statistics.fmean(latencies)),
-                                             "all": [_round(s) for s in latencies]}}
+    return {"requests": count, "gpu_free_gib_before": free_gib,
+            "latency_s": {"mean": _round(statistics.fmean(latencies)), "all": [_round(s) for s in latencies]}}
 
 
 def diffusers_pipeline(model: str, dummy: bool, dtype, device: str):
@@ -411,36 +499,42 @@ def diffusers_pipeline(model: str, dummy: bool, dtype, device: str):
 
 
 def _free_gpu() -> None:
+    """What the last phase in this process held, back to the GPU: compiled code's caches hold their modules."""
     import torch
 
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
+def _gpu_free_gib() -> float | None:
+    import torch
+
+    return round(torch.cuda.mem_get_info()[0] / 2**30, 1) if torch.cuda.is_available() else None
+
+
 def serve(record: Record, args) -> None:
-    """(b): issue 26's served figures, and the same requests in process and through diffusers."""
-    record.phase("environment", environment)
+    """(b): issue 26's served figures, then the same request in process and through diffusers (the served app gone:
+    each of the three holds most of the GPU)."""
+    record.phase("environment", lambda: environment(SERVED_MODULES), required=True)
     if args.dry_run:
         stage_config = preset("qwen_image_tiny.yaml", True)
         latency = {"size": "64x64", "num_inference_steps": 2}
         throughput = {"size": "64x64", "num_inference_steps": 2}
-        counts = {"latency": 2, "throughput": 8, "in_process": 2}
     else:
         stage_config = preset("qwen_image_one_gpu_dummy.yaml", False)
         latency = {"size": "1024x1024", "num_inference_steps": 50}
         throughput = {"size": "512x512", "num_inference_steps": 20}
-        counts = {"latency": 2, "throughput": 16, "in_process": 2}  # after 1 and 8 not counted
+    counts = {"latency": 2, "throughput": 16, "in_process": 2}  # after 1, 8 and 1 not counted
     latency = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "seed": 0, **latency}
     throughput = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "seed": 0, **throughput}
-    with serving(stage_config, args.dry_run) as served:
-        record.phase("start", lambda: started(served))
+    with served_app(record, stage_config, args) as served:
         record.phase("latency", lambda: closed_loop(served, latency, concurrency=1, count=counts["latency"],
                                                     warmup=1))
         record.phase("throughput", lambda: closed_loop(served, throughput, concurrency=8,
-                                                       count=counts["throughput"], warmup=8), needs_s=90)
-        _keep_log(served, args.out / "app.log")
-    record.phase("in_process", lambda: in_process(stage_config, latency, counts["in_process"]), needs_s=120)
+                                                       count=counts["throughput"], warmup=8), needs_s=60)
+    record.phase("in_process", lambda: in_process(stage_config, latency, counts["in_process"]), needs_s=180)
     record.phase("diffusers", lambda: through_diffusers(stage_config, latency, counts["in_process"]), needs_s=90)
     served_s = (record.data.get("latency") or {}).get("latency_s", {}).get("mean")
     local_s = (record.data.get("in_process") or {}).get("latency_s", {}).get("mean")
@@ -454,82 +548,69 @@ def _keep_log(served, path: pathlib.Path) -> None:
 
 def reliability(record: Record, args) -> None:
     """(c): 200 mixed requests, 16 at a time, the DiT replica killed with SIGKILL once a third have ended; every
-    request must still be answered (invalid ones with their 400), and the GPU's memory must come back to what it
-    held before the kill."""
+    request must still be answered (invalid ones with their 400), and once the replacement has served, the GPU's
+    memory must be back to what it held just before the kill (the dead replica's freed, nothing held twice)."""
     from benchmarks.soak import Client, one_request
 
-    record.phase("environment", environment)
+    record.phase("environment", lambda: environment(SERVED_MODULES), required=True)
     if args.dry_run:
         stage_config, sizes, count = preset("qwen_image_tiny.yaml", True), ("64x64", "96x64", "64x96"), 40
     else:  # not compiled: the replacement replica is serving sooner
         stage_config = preset("qwen_image_one_gpu_dummy.yaml", False, dit={"compile": False})
         sizes, count = ("512x512", "768x512", "512x768"), 200
-    with serving(stage_config, args.dry_run) as served:
+    with served_app(record, stage_config, args) as served:
         client = Client(served.base_url)
-        record.phase("start", lambda: started(served))
 
         def each_stage_runs() -> list[str]:  # four of the mix, none invalid or abandoned: the problems, if any
             answers = [one_request(client, i, "", 600, sizes=sizes) for i in (1, 2, 3, 5)]
             return [problem for _, problem, _ in answers if problem is not None]
 
-        def baseline() -> dict:  # what each stage holds while serving, once it has served
-            problems = each_stage_runs()
-            return {**gpu_memory(served.replica_pids()), "problems": problems}
-
-        before = record.phase("baseline", baseline)
-        record.phase("requests", lambda: kill_once(served, client, count, sizes))
+        record.phase("baseline", lambda: {"problems": each_stage_runs(), **gpu_memory(served.replica_pids())},
+                     required=True)
+        requests = record.phase("requests", lambda: kill_once(served, client, count, sizes), required=True)
 
         def after() -> dict:  # the replacement DiT serving as its predecessor did, then the GPU's memory again
-            deadline = time.monotonic() + 300
-            while "DiT" not in served.replica_pids() and time.monotonic() < deadline:
-                time.sleep(1)
             problems = each_stage_runs()
             time.sleep(0 if args.dry_run else 10)  # the driver frees a killed process's memory
             memory = gpu_memory(served.replica_pids())
-            change = (memory["used_mib"] - before["used_mib"]) if memory["used_mib"] is not None else None
+            before = requests["gpu_memory_before_kill"]["used_mib"]
+            change = memory["used_mib"] - before if memory["used_mib"] is not None and before is not None else None
             return {**memory, "problems": problems, "change_mib": change,
                     "back_to_baseline": abs(change) <= 1024 if change is not None else None}
 
         record.phase("after", after)
-        _keep_log(served, args.out / "app.log")
 
 
 def kill_once(served, client, count: int, sizes: tuple[str, ...]) -> dict:
+    """``count`` requests of the soak's mix, 16 at a time; the DiT replica killed once a third have ended."""
     from benchmarks.soak import one_request
 
-    outcomes, lock, issued = {}, threading.Lock(), [0]
-    killed = {}
-
-    def worker():
-        while True:
-            with lock:
-                i = issued[0]
-                if i >= count:
-                    return
-                issued[0] += 1
-            outcome = one_request(client, i, "", 900, sizes=sizes)
-            with lock:
-                outcomes[i] = outcome
-                if len(outcomes) == count // 3 and not killed:
-                    killed["pid"] = served.replica_pids()["DiT"]
-                    killed["at_s"] = round(time.monotonic() - start, 1)
-                    os.kill(killed["pid"], signal.SIGKILL)
-
+    lock, ended, killed = threading.Lock(), [0], {}
     start = time.monotonic()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+
+    def one(i: int):
+        outcome = one_request(client, i, "", 900, sizes=sizes)
+        with lock:
+            ended[0] += 1
+            if ended[0] == count // 3:
+                killed["gpu_memory_before_kill"] = gpu_memory(served.replica_pids())
+                killed["pid"] = served.replica_pids()["DiT"]
+                killed["at_s"] = round(time.monotonic() - start, 1)
+                os.kill(killed["pid"], signal.SIGKILL)
+        return outcome
+
+    outcomes = run_at_most(one, count, 16)
     wall = time.monotonic() - start
-    replaced_by = served.replica_pids().get("DiT")
-    problems = {i: problem for i, (_, problem, _) in outcomes.items() if problem is not None}
+    problems = [repr(o) if isinstance(o, Exception) else o[1] for o in outcomes
+                if isinstance(o, Exception) or o[1] is not None]
     kinds = {}
-    for kind, _, _ in outcomes.values():
+    for outcome in outcomes:
+        kind = "raised" if isinstance(outcome, Exception) else outcome[0]
         kinds[kind] = kinds.get(kind, 0) + 1
-    return {"requests": count, "answered": len(outcomes), "lost": len(problems) + count - len(outcomes),
-            "problems": {str(i): p for i, p in list(problems.items())[:20]}, "kinds": kinds,
-            "killed": {**killed, "replaced_by": replaced_by}, "wall_s": round(wall, 1)}
+    memory = killed.pop("gpu_memory_before_kill", None)
+    return {"requests": count, "answered": len(outcomes) - kinds.get("raised", 0), "lost": len(problems),
+            "problems": problems[:20], "kinds": kinds, "wall_s": round(wall, 1), "gpu_memory_before_kill": memory,
+            "killed": {**killed, "replaced_by": served.replica_pids().get("DiT")}}
 
 
 def qwen21(record: Record, args) -> None:
@@ -537,7 +618,7 @@ def qwen21(record: Record, args) -> None:
     condition cache) against later ones (they read it), and the cache's bytes."""
     from benchmarks.soak import photo
 
-    record.phase("environment", environment)
+    record.phase("environment", lambda: environment(SERVED_MODULES), required=True)
     if args.dry_run:
         stage_config, side, steps, count = preset("qwen_image_2_1_tiny.yaml", True), 64, 2, 1
     else:
@@ -545,12 +626,10 @@ def qwen21(record: Record, args) -> None:
     body = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "seed": 0, "size": f"{side}x{side}",
             "num_inference_steps": steps}
     condition = photo(0, side, side)
-    with serving(stage_config, args.dry_run) as served:
-        record.phase("start", lambda: started(served))
+    with served_app(record, stage_config, args) as served:
         record.phase("generation", lambda: closed_loop(served, body, concurrency=1, count=count, warmup=1))
         record.phase("edit", lambda: closed_loop(served, body, concurrency=1, count=count, warmup=1,
                                                  path="/v1/images/edits", files=[condition]), needs_s=60)
-        _keep_log(served, args.out / "app.log")
     record.phase("condition_cache", lambda: condition_cache(stage_config, side, steps=4), needs_s=90)
 
 
@@ -627,18 +706,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=COMMANDS)
     parser.add_argument("--out", type=pathlib.Path, required=True, help="the folder for the JSON ($OUT there)")
     parser.add_argument("--dry-run", action="store_true", help="the CPU, the tiny checkpoints, toy sizes")
+    parser.add_argument("--started-at", type=float, default=None,
+                        help="epoch seconds the command began (gpu_plan.sh's start, the wheels' install included)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="no phase starts that would need more than what is left of this")
-    parser.add_argument("--cut-after", metavar="PHASE", help="end the process right after this phase's JSON is "
-                        "written, as the device tool's time limit would (the rehearsal's check)")
+    parser.add_argument("--limit-s", type=float, default=540.0,
+                        help="the watchdog's cut: the phase running then is named, the app stopped, exit 124")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     run, name = COMMANDS[args.command]
-    record = Record(args.out / name, args.command, args.dry_run, args.budget_s, args.cut_after)
-    run(record, args)
-    print(f"{args.command}: {record.data['phases_done']} done, {record.data['phases_skipped']} skipped, "
-          f"in {time.monotonic() - record.started:.0f} s", flush=True)
-    return 0
+    record = Record(args.out / name, args.command, args.dry_run, args.budget_s, args.limit_s, args.started_at)
+    data = record.data
+    try:
+        run(record, args)
+    except PhaseFailed:
+        pass
+    except Exception:  # outside any phase: recorded all the same
+        data["failed"].append({"phase": None, "error": traceback.format_exc(limit=8)[-3000:]})
+        record.save()
+        traceback.print_exc()
+    print(f"{args.command}: {data['phases_done']} done, {data['phases_skipped']} skipped, "
+          f"{[f['phase'] for f in data['failed']]} failed, in {record.elapsed():.0f} s", flush=True)
+    return 124 if data["cut"] else 1 if data["failed"] else 0
 
 
 if __name__ == "__main__":

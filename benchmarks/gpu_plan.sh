@@ -7,6 +7,7 @@
 # Installs the carried wheels (.whl/profile or .whl/serve, whichever came) into /tmp/site, checking their hashes and
 # versions, then runs the command with its JSON and log under $OUT.
 set -uo pipefail
+started=$(date +%s.%N)  # the command's limits count from here, the install included
 command=${1:?which command: profile, serve, reliability or qwen21}
 shift
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
@@ -21,4 +22,4 @@ for bundle in "${GPU_PLAN_WHEELS:-.whl}"/*/; do
 done
 # The replicas Ray starts import omni_ray and deployments from here (they inherit this environment).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-"$PYTHON" -m benchmarks.gpu_plan "$command" --out "$OUT" "$@" 2>&1 | tee "$OUT/$command.log"
+"$PYTHON" -m benchmarks.gpu_plan "$command" --out "$OUT" --started-at "$started" "$@" 2>&1 | tee "$OUT/$command.log"

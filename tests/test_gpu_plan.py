@@ -1,7 +1,7 @@
 """The GPU plan (benchmarks/gpu_plan.py, issue 36) rehearsed on the CPU, so that the first command on a lent GPU does
 not die of a typo: each command run end to end with ``--dry-run`` (the tiny checkpoints with random weights, as the
-GPU's dummy presets, at toy sizes) writes every file it promises with every phase's figures; a command cut off after
-a phase leaves that phase's JSON whole; and what travels with each command fits the device tool's 64 MiB."""
+GPU's dummy presets, at toy sizes) writes every file it promises with every phase's figures; a command cut by its
+limit names the phase and keeps the ones before it; and what travels with each command fits the device tool's 64 MiB."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def rehearsed(command: str, out, phases: list[str]) -> dict:
         assert (out / name).stat().st_size > 0, name
     assert not list(out.glob("*.partial"))
     record = json.loads((out / gpu_plan.COMMANDS[command][1]).read_text())
-    assert (record["failed"], record["phases_skipped"], record["dry_run"]) == (None, [], True)
+    assert (record["failed"], record["phases_skipped"], record["cut"], record["dry_run"]) == ([], [], None, True)
     assert record["environment"]["packages"]["torch"] and record["phases_done"] == phases
     return record
 
@@ -53,24 +53,28 @@ def test_the_profile_command_writes_the_machine_and_every_variant(tmp_path):
     assert record["dit_and_vae"] == {"file": "gpu.json", "skipped": [], "fp8_skipped": report["fp8_skipped"]}
 
 
-def test_a_command_cut_off_after_a_phase_leaves_that_phase_s_json(tmp_path):
-    result = run_plan("profile", tmp_path, "--cut-after", "packages")
+def test_a_command_cut_by_its_limit_names_the_phase_and_keeps_those_before_it(tmp_path):
+    result = run_plan("profile", tmp_path, "--limit-s", "6")
     assert result.returncode == 124  # as the device tool's time limit ends a command
     record = json.loads((tmp_path / "gpu_profile.json").read_text())
-    assert record["phases_done"] == ["environment", "packages"] and "dit_and_vae" not in record
-    assert (tmp_path / "have.txt").exists() and not (tmp_path / "gpu.json").exists()
-    assert "[packages] done" in (tmp_path / "profile.log").read_text()
+    phases = ["environment", "packages", "dit_and_vae"]
+    cut = phases.index(record["cut"]["phase"])
+    assert record["phases_done"] == phases[:cut] and all(phase in record for phase in phases[:cut])
+    assert record["cut"]["at_s"] >= 6 and f"[{phases[cut]}] cut at" in (tmp_path / "profile.log").read_text()
+    assert not list(tmp_path.glob("*.partial"))
 
 
-def test_a_phase_that_fails_is_recorded_and_one_past_the_budget_is_skipped(tmp_path):
-    record = gpu_plan.Record(tmp_path / "plan.json", "test", True, budget_s=30)
+def test_a_failed_phase_is_recorded_one_past_the_budget_skipped_and_a_required_one_ends_the_command(tmp_path):
+    record = gpu_plan.Record(tmp_path / "plan.json", "test", True, budget_s=30, limit_s=600)
     record.phase("first", lambda: {"figure": 1})
     assert record.phase("late", lambda: {"figure": 2}, needs_s=60) is None
-    with pytest.raises(ZeroDivisionError):
-        record.phase("broken", lambda: 1 / 0)
+    assert record.phase("broken", lambda: 1 / 0) is None  # recorded; the command goes on
+    with pytest.raises(gpu_plan.PhaseFailed):
+        record.phase("needed", lambda: {}["missing"], required=True)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert (saved["first"], saved["phases_done"], saved["phases_skipped"]) == ({"figure": 1}, ["first"], ["late"])
-    assert saved["failed"]["phase"] == "broken" and "ZeroDivisionError" in saved["failed"]["error"]
+    assert [failure["phase"] for failure in saved["failed"]] == ["broken", "needed"]
+    assert "ZeroDivisionError" in saved["failed"][0]["error"] and "KeyError" in saved["failed"][1]["error"]
 
 
 @pytest.mark.serve
@@ -93,8 +97,10 @@ def test_the_reliability_command_kills_the_dit_once_and_loses_nothing(tmp_path):
     record = rehearsed("reliability", tmp_path, ["environment", "start", "baseline", "requests", "after"])
     assert record["baseline"]["problems"] == [] == record["after"]["problems"]  # the replacement DiT serves
     requests = record["requests"]
-    assert (requests["answered"], requests["lost"], requests["problems"]) == (requests["requests"], 0, {})
+    assert (requests["answered"], requests["lost"], requests["problems"]) == (requests["requests"], 0, [])
     assert requests["killed"]["replaced_by"] not in (None, requests["killed"]["pid"])
+    assert set(requests["gpu_memory_before_kill"]) >= {"used_mib", "by_process_mib"}  # None here: no nvidia-smi
+    assert record["after"]["change_mib"] is None and record["start"]["gpu_memory_before"]["used_mib"] is None
     assert requests["kinds"]["invalid"] > 0 and requests["kinds"]["streamed"] > 0 and requests["kinds"]["cancelled"] > 0
 
 

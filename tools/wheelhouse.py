@@ -16,7 +16,7 @@ Build, on a machine with internet access, from the repository root::
 requirement that a package listed in ``--have`` already satisfies, plus omni-ray itself as a pure-Python wheel. Only
 lines of the form ``name==version`` in the have-file count; others (``-e ...``, ``name @ url``) are listed and ignored.
 ``--only FILE`` carries that requirements file's requirements instead, and no omni-ray wheel: the GPU plan's set
-(``tools/gpu_plan_wheels.txt``, ``make gpu-wheels``), which travels beside the source tree. ``--drop NAME`` leaves a
+(``tools/gpu_wheels/*.txt``, ``make gpu-wheels``), which travels beside the source tree. ``--drop NAME`` leaves a
 downloaded dependency out after all (one that only a feature the target will not use imports).
 
 ``pip download`` resolves the dependencies for the target: CPython ``--python-version`` on the ``--platform`` tags,
@@ -454,6 +454,8 @@ def build(args: argparse.Namespace) -> int:
     project = read_project(REPO_ROOT / "pyproject.toml")
     have, ignored = read_have(args.have.read_text()) if args.have else ({}, [])
     have.pop(canonicalize_name(project["name"]), None)  # the bundle always carries the project itself
+    if args.only and args.requirement:
+        raise BundleError("--requirement adds to the project's dependencies; with --only, write it in the file")
     requirements = read_requirements(args.only) if args.only else project["dependencies"] + args.requirement
     selection = select_requirements(requirements, have)
     if not SpecifierSet(project.get("requires-python", "")).contains(args.python_version):
@@ -467,6 +469,8 @@ def build(args: argparse.Namespace) -> int:
             build_project_wheel(downloads)
         unwanted = {canonicalize_name(name) for name in args.drop}
         kept, dropped = drop_target_wheels(sorted(downloads.glob("*.whl")), set(selection.pins), unwanted)
+        for name in sorted(unwanted - {parse_wheel_filename(wheel.name)[0] for wheel in dropped}):
+            print(f"warning: --drop {name}: no such wheel was downloaded")
         target = {"python_version": args.python_version, "implementation": "cp", "platforms": args.platform}
         manifest = bundle(kept, args.out, target, args.limit_mib * MIB)
     print_build_summary(manifest, args.out, selection, dropped, ignored)
