@@ -60,7 +60,7 @@ SERVE_CONFIG = REPO / "config.yaml"
 PACKAGES = ("torch", "transformers", "diffusers", "ray", "pydantic", "fastapi", "torchao", "numpy", "safetensors")
 # What each command imports of the carried wheels (tools/gpu_wheels/): checked first, so a missing one is named.
 PROFILE_MODULES = ("diffusers", "pydantic", "matplotlib")
-SERVED_MODULES = ("ray.serve", "fastapi", "starlette", "uvicorn", "pydantic", "multipart", "diffusers",
+SERVED_MODULES = ("ray.serve", "fastapi", "starlette", "uvicorn", "pydantic", "python_multipart", "diffusers",
                   "opentelemetry.sdk", "psutil", "yaml")
 PROMPT = "a lighthouse on a cliff at dusk, photo"
 NEGATIVE = "blurry, low quality"
