@@ -75,9 +75,9 @@ class Record:
     whole file). Times count from ``started_at`` (epoch seconds: when gpu_plan.sh began, its wheels' install
     included). A watchdog ends the command at ``limit_s``, before the device tool's own limit would: it writes the
     JSON naming the phase it cut, runs ``cleanup`` (the served app's cluster, which would outlive a killed command and
-    hold the GPU) and exits 124."""
+    hold the GPU) and exits 124. Without ``limit_s`` there is no watchdog (a Record inside a test's process)."""
 
-    def __init__(self, path: pathlib.Path, command: str, dry_run: bool, budget_s: float, limit_s: float,
+    def __init__(self, path: pathlib.Path, command: str, dry_run: bool, budget_s: float, limit_s: float | None = None,
                  started_at: float | None = None):
         self.path = path
         self.started = time.monotonic() - (time.time() - started_at if started_at else 0.0)
@@ -88,7 +88,8 @@ class Record:
         self.data = {"command": command, "dry_run": dry_run, "budget_s": budget_s, "limit_s": limit_s,
                      "phases_done": [], "phases_skipped": [], "failed": [], "cut": None}
         self.save()
-        threading.Thread(target=self._watch, args=(limit_s,), daemon=True).start()
+        if limit_s is not None:  # the command's process alone: the watchdog ends the process it runs in
+            threading.Thread(target=self._watch, args=(limit_s,), daemon=True).start()
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
