@@ -62,6 +62,7 @@ PACKAGES = ("torch", "transformers", "diffusers", "ray", "pydantic", "fastapi", 
 PROFILE_MODULES = ("diffusers", "pydantic", "matplotlib")
 SERVED_MODULES = ("ray.serve", "fastapi", "starlette", "uvicorn", "pydantic", "python_multipart", "diffusers",
                   "opentelemetry.sdk", "psutil", "yaml")
+VARIANTS = ("diffusers", "eager", "compiled", "fp8")  # benchmarks.gpu.VARIANTS, without importing torch here
 PROMPT = "a lighthouse on a cliff at dusk, photo"
 NEGATIVE = "blurry, low quality"
 
@@ -234,7 +235,7 @@ def profile(record: Record, args) -> None:
     deadline = record.started + record.budget_s - 60  # a phase started later may not end in time
 
     def dit_and_vae() -> dict:
-        report = gpu.run(variants=list(gpu.VARIANTS), save=save, deadline=deadline, **settings)
+        report = gpu.run(variants=args.variants, save=save, deadline=deadline, **settings)
         gpu.plot(report, args.out / "gpu.png")
         return {"file": "gpu.json", "skipped": report["skipped"], "fp8_skipped": report["fp8_skipped"]}
 
@@ -713,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="no phase starts that would need more than what is left of this")
     parser.add_argument("--limit-s", type=float, default=540.0,
                         help="the watchdog's cut: the phase running then is named, the app stopped, exit 124")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                        help="profile: which of benchmarks.gpu's variants, in its order (a short lease takes fewer)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     run, name = COMMANDS[args.command]
