@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-# A request's latents batched against alone: a dozen float32 ulps here (the batch's padding moves float sums).
-TOLERANCE = 2e-5
-
 
 def run_to_completion(core, max_steps=50):
     results, batches = {}, []

@@ -25,8 +25,9 @@ from omni_ray.pipeline import Pipeline
 from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.lora import read_lora
-from testing.engines import TOLERANCE, run_to_completion  # the base model's batching: a dozen float32 ulps here
+from testing.engines import run_to_completion
 from testing.lora_files import make_adapter, to_kohya
+from testing.numerics import assert_reordered
 from testing.reference import PromptEncoder
 
 
@@ -224,7 +225,7 @@ def test_a_step_batch_of_different_adapters_equals_each_alone(tiny_dir, adapters
     for request in requests:
         alone.update(run([request])[0])
     for request_id, latents in together.items():
-        assert (latents.latents - alone[request_id].latents).abs().max().item() <= TOLERANCE, request_id
+        assert_reordered(latents.latents, alone[request_id].latents, request_id)
     # Rows 0 and 3 differ only by A's scale, 0 and 2 by adapter: the test would notice rows swapping adapters.
     assert (together["r0"].latents - together["r3"].latents).abs().max() > 0.05
     assert runner.states == {}
@@ -250,9 +251,10 @@ def test_broken_and_mismatched_files_are_refused_naming_lora_path(tiny_dir, adap
         assert info.value.param == "lora_path"
 
 
-def test_each_row_adds_its_own_update_exactly():
+def test_each_row_adds_its_own_update():
     """One adapted layer: a batch of rows with adapters A, B (another rank), none, and A at another scale gives each
-    row bit for bit what the row gives alone; a row without an adapter gets the base layer's output."""
+    row what the row gives alone (float32 reordering aside: the matmuls block by the batch's rows); a row without an
+    adapter gets the base layer's output."""
     from omni_ray.runners.lora import LoraLayer, LoraTable
 
     generator = torch.Generator().manual_seed(0)
@@ -268,9 +270,9 @@ def test_each_row_adds_its_own_update_exactly():
             together = model(x)
         for row, choice in enumerate(choices):
             with table.applied(table.rows([choice])):
-                assert torch.equal(together[row], model(x[row : row + 1])[0]), row
+                assert_reordered(together[row], model(x[row : row + 1])[0], row)
         base = model[0].base(x)
-    assert torch.equal(together[2], base[2]) and not torch.allclose(together[0], base[0])
+    assert torch.equal(together[2], base[2]) and not torch.allclose(together[0], base[0])  # the same batch
     assert not torch.allclose(together[0], together[3])
 
 

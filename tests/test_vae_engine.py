@@ -10,6 +10,7 @@ from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.records import DecodeRequest, Latents
 from omni_ray.runners.packing import pack_latents, unpack_latents
 from omni_ray.runners.vae import VaeRunner
+from testing.numerics import assert_reordered, assert_within_a_level
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,9 @@ def test_batched_decode_matches_one_at_a_time(decoder):
             continue
         alone = decoder.decode([item])[0]
         assert result.pixels.dtype == np.uint8 and result.pixels.shape == (item.height, item.width, 3)
-        # An image's pixels depend on its latents alone, not on what shared its VAE call (channels-last
-        # convolutions: the same sums for a batch of one as for several, on this VAE).
-        assert np.array_equal(result.pixels, alone)
+        # An image's pixels depend on its latents alone, not on what shared its VAE call (the convolutions may sum
+        # in another order for another batch size: a level at most).
+        assert_within_a_level(result.pixels, alone, i)
     assert np.abs(results["d0"].pixels.astype(int) - results["d1"].pixels.astype(int)).max() > 10
 
 
@@ -61,7 +62,7 @@ def test_a_bad_latent_in_a_batched_decode_fails_alone(decoder):
     results = {o.request_id: o.result for o in outputs if o.finish_reason == "stop"}
     assert sorted(results) == ["g0", "g1", "queued"]
     for request_id, item in (("g0", good[0]), ("g1", good[1])):
-        assert np.array_equal(results[request_id].pixels, decoder.decode([item])[0])
+        assert_within_a_level(results[request_id].pixels, decoder.decode([item])[0], request_id)
 
 
 def test_out_of_memory_for_one_request_is_a_503_for_it_alone(decoder, monkeypatch):
@@ -111,7 +112,7 @@ def test_single_frame_vae_is_diffusers_vae_within_one_level(decoder, tiny_dir, b
     expected_latents = pack_latents(((moments - mean) / std).transpose(1, 2))
     ours = torch.stack([item.latents for item in decoder.encode(images)])
     assert (ours - expected_latents).abs().max().item() < 1e-4
-    assert torch.equal(decoder.encode(images[:1])[0].latents, ours[0])  # its batch-mates change nothing
+    assert_reordered(decoder.encode(images[:1])[0].latents, ours[0])  # its batch-mates change nothing
 
 
 def test_the_runner_leaves_the_vae_it_was_built_from_as_it_was(tiny_dir):

@@ -28,8 +28,8 @@ from omni_ray.runners.vae import VaeRunner
 from omni_ray.runners.vae_frame import FrameDecoder
 from testing.engines import run_to_completion
 from testing.gang import run_gang
+from testing.numerics import assert_reordered, assert_within_a_level, reorder_tolerance
 
-TOLERANCE = 1e-5
 SHAPES = [(2, 16, 12), (1, 15, 10)]  # (batch, latent rows, latent columns): an even split, and one padded to gather
 
 
@@ -54,11 +54,11 @@ def test_bands_decode_the_whole_frame_s_pixels_and_one_row_less_of_context_would
     latents = _latents(1, 40, 12)
     whole = decoder(latents)
     for band_rows in (4, 8, 13, 40):
-        assert (decoder(latents, band_rows) - whole).abs().max().item() <= TOLERANCE
+        assert_reordered(decoder(latents, band_rows), whole, band_rows)
     decoder.halo -= 1  # every row of the halo counts: one less changes pixels (by little: the field's edge)
     assert (decoder(latents, 8) - whole).abs().max().item() > 0
     decoder.halo -= 2
-    assert (decoder(latents, 8) - whole).abs().max().item() > 10 * TOLERANCE
+    assert (decoder(latents, 8) - whole).abs().max().item() > 10 * reorder_tolerance(whole)
 
 
 @torch.inference_mode()
@@ -71,7 +71,7 @@ def test_bands_on_qwen_image_s_full_size_vae_are_exact():
     decoder = _decoder(random_model(AutoencoderKLQwenImage, config, torch.float32, "cpu"))
     assert decoder.halo == 13
     latents = _latents(1, 32, 6)  # bands of 8 rows: two of the four crop context on both sides
-    assert (decoder(latents, 8) - decoder(latents)).abs().max().item() <= TOLERANCE
+    assert_reordered(decoder(latents, 8), decoder(latents))
 
 
 def test_a_tiled_runner_decodes_the_untiled_runner_s_pixels(tiny_vae):
@@ -82,7 +82,8 @@ def test_a_tiled_runner_decodes_the_untiled_runner_s_pixels(tiny_vae):
     tiled_runner = VaeRunner(tiny_vae, tiling=True)
     assert tiled_runner.band_rows == 32
     tiled = tiled_runner.decode(items)
-    assert untiled.std() > 10 and np.array_equal(tiled, untiled)
+    assert untiled.std() > 10
+    assert_within_a_level(tiled, untiled)
 
 
 def _decode_on_rank(mesh, model_dir: str) -> list[tuple[torch.Tensor, int]]:
@@ -107,7 +108,7 @@ def test_patches_over_two_ranks_gather_the_single_process_decode(tiny_dir, tiny_
     for rank_results in per_rank:
         for ((pixels, sent), whole, (batch, rows, cols)) in zip(rank_results, expected, SHAPES * 2):
             assert pixels.shape == whole.shape == (batch, 3, 8 * rows, 8 * cols)
-            assert (pixels - whole).abs().max().item() <= TOLERANCE
+            assert_reordered(pixels, whole)
             # one all-gather of this rank's pixel rows, padded to the longer band: (n - 1) x [B, 3, 8 ceil(h/n), 8 w]
             assert sent == (ranks - 1) * batch * 3 * (8 * -(-rows // ranks)) * (8 * cols) * 4
 
@@ -153,7 +154,7 @@ def test_the_vae_core_on_a_gang_of_two_decodes_one_rank_s_pixels(tiny_dir):
     for request_id in ("a", "b", "wide"):
         pixels = alone[request_id].pixels
         assert pixels.dtype == np.uint8 and pixels.std() > 10
-        assert np.array_equal(gang[request_id].pixels, pixels)
+        assert_within_a_level(gang[request_id].pixels, pixels, request_id)
     assert gang["wide"].pixels.shape == (48, 80, 3)
-    assert torch.equal(gang["b"].latents.latents, alone["b"].latents.latents)
-    assert torch.equal(gang["image"].latents, alone["image"].latents)
+    assert torch.equal(gang["b"].latents.latents, alone["b"].latents.latents)  # handed back, not computed
+    assert_reordered(gang["image"].latents, alone["image"].latents)
