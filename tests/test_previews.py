@@ -11,6 +11,7 @@ from conftest import REPO
 from omni_ray.api.planning import preview_steps
 from omni_ray.config import load_config
 from omni_ray.request_path import ImageDone, ImagePreview, Progress
+from testing.numerics import assert_within_a_level
 
 
 def test_preview_steps_are_spread_before_the_last():
@@ -45,9 +46,11 @@ def test_partial_images_come_before_each_image_and_move_towards_it(tiny_dir):
         assert kinds == ["ImagePreview", "ImagePreview", "ImageDone"], kinds
         first, second, done = (e for e in mine if not isinstance(e, Progress))
         assert (first.partial_index, second.partial_index) == (0, 1)
-        final = done.result.pixels.astype(int)
         unstreamed = next(e for e in plain if isinstance(e, ImageDone) and e.index == index).result.pixels
-        assert np.array_equal(final, unstreamed)  # previews change nothing in the image
+        # Previews change nothing in the image (float32 reordering aside: the streamed run's final decode may share a
+        # VAE batch with the other image's preview, and its steps another DiT batch).
+        assert_within_a_level(done.result.pixels, unstreamed, index)
+        final = done.result.pixels.astype(int)
         assert first.result.pixels.shape == final.shape
         # Each preview is the clean image the DiT predicts at its step: the later one is nearer the result.
         assert np.abs(second.result.pixels - final).mean() < np.abs(first.result.pixels - final).mean()
