@@ -17,6 +17,7 @@ from omni_ray.engine.dit_load import DiTLoad, size_key
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.engine.stats import EngineStats
 from omni_ray.errors import StageCall
+from omni_ray.live_settings import DiTLive
 from omni_ray.records import DenoiseParams, DenoiseRequest, Finished, Latents, StepDone, upstream_timings
 
 
@@ -29,9 +30,10 @@ class DiT(StageDeployment):
     a request."""
 
     stage = "dit"
+    live_settings = DiTLive
 
     def __init__(self, config: PipelineConfig):
-        super().__init__(lambda: build_dit_core(config, self.gang_factory(config.dit)))
+        super().__init__(lambda: build_dit_core(config, self.gang_factory(config.dit)), config)
         policy = create_policy(config.dit)  # what the scheduler's steps take: the load counts work the same way
         self.load = DiTLoad(lambda: self.engine.stats.core.step_fit, config.dit.max_batch_size,
                             policy.max_batch_tokens, policy.by_priority, create_split(config.dit),
@@ -46,6 +48,16 @@ class DiT(StageDeployment):
         # Serve's model multiplexing, for routing alone: it tells the routers which adapters this replica was last
         # asked for (as many as it holds), so requests for an adapter go preferably where it is resident.
         self._route = serve.multiplexed(max_num_models_per_replica=config.dit.max_loras)(route)
+
+    def _apply(self, live: DiTLive) -> None:
+        """The step limits and scheduling knobs: the scheduler's from its next step, the load's at once."""
+        dit = live.applied_to(self.preset)
+        policy = create_policy(dit)
+        self.engine.submit(lambda core: core.set_limits(max_batch_size=dit.max_batch_size,
+                                                        max_wait_steps=dit.max_wait_steps, policy=policy))
+        self.load.set_limits(dit.max_batch_size, policy.max_batch_tokens,
+                             dit.priority_aging_s if policy.by_priority else None)
+        self.max_batch_tokens = policy.max_batch_tokens
 
     async def check_lora(self, path: str) -> LoraEntry:
         """A run-time adapter under ``lora.roots`` that this transformer can take (its resolved path, and its recipe

@@ -12,6 +12,7 @@ from deployments.stage import StageDeployment
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.builders import build_encoder_core
 from omni_ray.engine.stats import EngineStats
+from omni_ray.live_settings import EncoderLive
 from omni_ray.records import Caption, CaptionRequest, EncodedPrompt, EncodeRequest
 
 
@@ -19,10 +20,15 @@ class Encoder(StageDeployment):
     """Qwen2.5-VL under vLLM's engine core: prompts (and an edit's input image) to prompt embeddings."""
 
     stage = "encoder"
+    live_settings = EncoderLive
 
     def __init__(self, config: PipelineConfig):
         self._cache_counted = (0, 0)  # prompt-cache hits and misses already exported
-        super().__init__(lambda: build_encoder_core(config))
+        super().__init__(lambda: build_encoder_core(config), config)
+
+    def _apply(self, live: EncoderLive) -> None:
+        max_num_seqs = live.max_num_seqs or self.preset.max_num_seqs
+        self.engine.submit(lambda core: core.set_limits(max_num_seqs=max_num_seqs))
 
     def _record_step(self, seconds: float, batch: int) -> None:
         super()._record_step(seconds, batch)

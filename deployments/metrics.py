@@ -129,6 +129,10 @@ quota_running = metrics.Gauge(
     "omni_quota_running_requests", description="A coordinator replica's admitted requests of a key still running "
     "(sum over replicas: the key's concurrent requests).", tag_keys=("stage", "key"),
 )
+user_config_refusals = metrics.Counter(
+    "omni_user_config_refusals_total", description="user_config changes a deployment refused (logged with the "
+    "reason; the replica kept its settings).", tag_keys=("stage",),
+)
 quota_store_errors = metrics.Counter(
     "omni_quota_store_errors_total", description="Quota checks the counter store did not answer in time: the "
     "request was admitted unchecked (quotas fail open).", tag_keys=("stage",),

@@ -22,10 +22,11 @@ import torch  # noqa: F401  (imported before the first call: unpickling a tensor
 
 from deployments import metrics
 from deployments.gang import RayExecutor
+from deployments.live import LiveDeployment
 from deployments.process import freeze_startup_heap
 from deployments.ray_private import serve_tracing_enabled
 from omni_ray import tracing
-from omni_ray.config import DiTConfig, VAEConfig
+from omni_ray.config import DiTConfig, PipelineConfig, VAEConfig
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.executor import ExecutorFactory, RunnerFactory
 from omni_ray.engine.stats import EngineStats
@@ -37,12 +38,15 @@ logger = logging.getLogger("ray.serve")
 GANG_END_WAIT_S = 10.0  # at most; Ray ends the process within milliseconds
 
 
-class StageDeployment:
-    """What every stage deployment does besides its one call: start, metrics, health, stats, shutdown."""
+class StageDeployment(LiveDeployment):
+    """What every stage deployment does besides its one call: start, live settings, metrics, health, stats,
+    shutdown."""
 
     stage = ""
 
-    def __init__(self, build_core):
+    def __init__(self, build_core, config: PipelineConfig):
+        """``config``: the app's, whose stage section its live settings lie over."""
+        self._start_live(config)
         if serve_tracing_enabled():
             tracing.enable()  # a span per engine request, for Ray Serve's exporter (omni_ray.tracing)
         self.gang: RayExecutor | None = None  # set while ``build_core`` starts one (``gang_factory``)
@@ -141,11 +145,11 @@ class StageDeployment:
             self.gang.check_health()
 
     def stats(self) -> dict:
-        """Counters of the engine: requests it took, aborted, still running; steps it ran; and the Ray node the
-        replica runs on."""
+        """Counters of the engine: requests it took, aborted, still running; steps it ran; the Ray node the replica
+        runs on; and its live settings (``live_stats``)."""
         stats = self.engine.stats
         return {"node_id": ray.get_runtime_context().get_node_id(), "requests": stats.requests,
-                "aborted": stats.aborted, "running": stats.running, "steps": stats.steps}
+                "aborted": stats.aborted, "running": stats.running, "steps": stats.steps, **self.live_stats()}
 
     def __del__(self) -> None:
         # Serve calls this on graceful shutdown; it stops the loop and shuts the core down (vLLM's included, which

@@ -10,6 +10,7 @@ from deployments.stages import Upstream
 from omni_ray.config import PipelineConfig
 from omni_ray.engine.builders import build_vae_core
 from omni_ray.errors import StageCall
+from omni_ray.live_settings import VAELive
 from omni_ray.records import Decoded, DecodeRequest, ImageEncodeRequest, Latents, OutputMode
 
 
@@ -17,9 +18,14 @@ class VAE(StageDeployment):
     """The VAE under the batched engine: latents to pixels, and an edit's input image to latents."""
 
     stage = "vae"
+    live_settings = VAELive
 
     def __init__(self, config: PipelineConfig):
-        super().__init__(lambda: build_vae_core(config, self.gang_factory(config.vae)))
+        super().__init__(lambda: build_vae_core(config, self.gang_factory(config.vae)), config)
+
+    def _apply(self, live: VAELive) -> None:
+        max_batch_size = live.max_batch_size or self.preset.max_batch_size
+        self.engine.submit(lambda core: core.set_limits(max_batch_size=max_batch_size))
 
     async def decode(self, request_id: str, latents: Upstream, output: OutputMode = "pixels", preview: bool = False,
                      priority: int = 0, tenant: str = "") -> Decoded:

@@ -134,12 +134,23 @@ NO_LEASE = Lease()
 class Quotas:
     """The coordinator's quotas: each keyed request charged to its key's limits in the store, or refused."""
 
-    def __init__(self, settings: QuotaSettings | None = None, store: QuotaStore | None = None):
-        self.settings = settings if settings is not None and not settings.is_empty else None
-        self.store = store if store is not None else MemoryQuotas()
+    def __init__(self, settings: QuotaSettings | None = None, store: QuotaStore | None = None,
+                 make_store: Callable[[], QuotaStore] = MemoryQuotas):
+        """``store``: where charges are counted; unset, ``make_store()`` makes it once limits apply."""
+        self.start_settings = settings if settings is not None and not settings.is_empty else None
+        self.settings = self.start_settings
+        self.make_store = make_store
+        self.store = store if store is not None or self.settings is None else make_store()
         self.running: Counter[str] = Counter()  # this replica's running requests per key
         self.timeout_s = STARTUP_TIMEOUT_S
         self.warned_at = -math.inf
+
+    def set_settings(self, settings: QuotaSettings | None) -> None:
+        """Limits from the next request on (the coordinator's live ``key_limits``); None: the environment's again.
+        Running requests keep their leases."""
+        self.settings = self.start_settings if settings is None else settings if not settings.is_empty else None
+        if self.settings is not None and self.store is None:
+            self.store = self.make_store()  # now, not on a request's path
 
     @classmethod
     def from_env(cls, num_keys: int, store: Callable[[], QuotaStore],
@@ -151,17 +162,17 @@ class Quotas:
             if environ.get(env.KEY_LIMITS_FILE):
                 logger.warning("%s names no file (%s): no per-key quotas", env.KEY_LIMITS_FILE,
                                environ[env.KEY_LIMITS_FILE])
-            return cls()
+            return cls(make_store=store)
         settings = QuotaSettings.parse(text, num_keys or None)
         if num_keys == 0:
             logger.warning("per-key quotas are set but OMNI_RAY_API_KEY is not: no request is limited")
-            return cls()
+            return cls(make_store=store)
         if settings.is_empty:
-            return cls()
+            return cls(make_store=store)
         logger.info("per-key quotas are on: default %s%s", settings.default.model_dump(exclude_none=True),
                     "".join(f"; {name} {limits.model_dump(exclude_none=True)}"
                             for name, limits in sorted(settings.keys.items())))
-        return cls(settings, store())
+        return cls(settings, store(), store)
 
     async def acquire(self, key: str | None, plan: GenerationPlan) -> Lease:
         """Charges the planned request to ``key``'s limits: its lease, to end when the request ends; RateLimitError

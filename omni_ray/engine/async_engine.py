@@ -37,7 +37,7 @@ class Command(enum.Enum):
     """What a caller asks of the engine's thread; each takes effect at the next step boundary."""
 
     ADD = "add"  # payload: (request, _Caller)
-    CALL = "call"  # payload: (method of the core, _Caller)
+    CALL = "call"  # payload: (method of the core, _Caller or None: nobody waits)
     ABORT = "abort"  # payload: request id
     WAKE = "wake"  # payload: None; unblocks a waiting loop (shutdown)
 
@@ -142,6 +142,11 @@ class AsyncEngine:
         self._commands.put((Command.CALL, (method, _Caller(loop, future, None))))
         return await future
 
+    def submit(self, method: Callable[[EngineCoreProtocol], Any]) -> None:
+        """As ``call``, for a caller that does not wait (a deployment's live settings): ``method(core)`` runs on the
+        engine's thread between two steps; a failure is logged."""
+        self._commands.put((Command.CALL, (method, None)))
+
     def abort(self, request_id: str) -> None:
         self._commands.put((Command.ABORT, request_id))
 
@@ -213,8 +218,11 @@ class AsyncEngine:
                 try:
                     result = method(self.core)
                 except Exception as err:
+                    if caller is None:
+                        logger.exception("%s: a call on the engine's thread failed", self.name)
                     result = err
-                _resolve(caller, result)
+                if caller is not None:
+                    _resolve(caller, result)
             elif kind is Command.ABORT and self._callers.pop(payload, None) is not None:
                 self.core.abort_requests([payload])
                 self.num_aborted += 1

@@ -59,6 +59,10 @@ class EngineCore(Generic[SchedulerOutputT, RunnerOutputT]):
             raise StepError(scheduler_output.request_ids) from err
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def set_limits(self, **limits) -> None:
+        """A deployment's live settings (``omni_ray.live_settings``), between two steps: its scheduler's limits."""
+        self.scheduler.set_limits(**limits)
+
     def stats(self) -> None:
         """No figures of its own (the VAE's core)."""
 

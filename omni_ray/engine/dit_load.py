@@ -141,17 +141,21 @@ class DiTLoad:
         """``step_fit()``: the engine's latest ``StepFit``; ``by_priority``: the scheduler runs the more urgent first
         and shares a priority's steps between tenants (a FIFO one does neither: all work is ahead); ``split``: the
         scheduler's (unset: one rank); ``aging_s``: its priority aging (unset: none)."""
-        split = split if split is not None else FixedSplit()
-        shapes = split.shapes(max_batch_size, max_batch_tokens)
+        self.split = split if split is not None else FixedSplit()
+        self.set_limits(max_batch_size, max_batch_tokens, aging_s)
         self.step_fit = step_fit
-        self.shapes = [shapes[name] for name in split.splits]
         self.by_priority = by_priority
-        self.aging_s = aging_s
         self.clock = clock
         self.work: dict[str, _Work] = {}  # request id -> its work, here
         self.reserved: dict[str, _Work] = {}  # admitted request's id -> its work, on its way
         self.arrivals: deque[_Arrival] = deque()  # the last ARRIVALS_WINDOW_S
         self.request_s = 0.0  # cost-seconds of a request as they arrive, a moving mean
+
+    def set_limits(self, max_batch_size: int, max_batch_tokens: int | None, aging_s: float | None) -> None:
+        """The scheduler's step limits and aging, as they change live (``DiTScheduler.set_limits``)."""
+        shapes = self.split.shapes(max_batch_size, max_batch_tokens)
+        self.shapes = [shapes[name] for name in self.split.splits]
+        self.aging_s = aging_s
 
     def add(self, request_id: str, priority: int, tokens: int, steps: int, passes: int = 1, tenant: str = "",
             key: tuple | None = None) -> None:

@@ -109,6 +109,13 @@ class DiTScheduler(Scheduler[DenoiseRequest, DenoiseBatch, DenoiseOutput]):
         self.num_paused_steps = 0  # request-steps admitted requests sat out
         self.num_cache_waiting = 0  # waiting requests the last step left in the queue for want of cache room
 
+    def set_limits(self, max_batch_size: int, max_wait_steps: int, policy: SchedulingPolicy) -> None:
+        """New step limits and policy knobs (a live change, between two steps): the next step is planned with them;
+        the requests it holds keep their places."""
+        assert max_batch_size > 0 and max_wait_steps > 0
+        self.max_batch_size, self.max_wait_steps, self.policy = max_batch_size, max_wait_steps, policy
+        self.shapes = self.split.shapes(max_batch_size, policy.max_batch_tokens)
+
     @property
     def max_batch_tokens(self) -> int | None:
         """Work tokens one step may take, the policy's; None: no bound."""

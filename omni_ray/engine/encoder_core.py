@@ -325,6 +325,11 @@ class EncoderEngineCore:
             self.running_captions.pop(captioning.key, None)
         return captioning
 
+    def set_limits(self, max_num_seqs: int) -> None:
+        """Sequences handed to vLLM at once from now on (a live change; those in flight finish)."""
+        assert max_num_seqs > 0
+        self.max_num_seqs = max_num_seqs
+
     def stats(self) -> EncoderStats:
         cache = self.cache
         prompt_cache = None

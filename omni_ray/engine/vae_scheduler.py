@@ -42,6 +42,11 @@ class VaeScheduler(Scheduler[VaeRequest, VaeBatch, VaeOutput]):
         self.waiting: list[VaeRequest] = []  # in arrival order
         self.shares = FairShare()  # tenants' recent use of the VAE
 
+    def set_limits(self, max_batch_size: int) -> None:
+        """Frames a call may decode from the next step on (a live change)."""
+        assert max_batch_size > 0
+        self.max_batch_size = max_batch_size
+
     def add_request(self, request: VaeRequest) -> None:
         self.waiting.append(request)
 
