@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 TINY_DIR := $(HOME)/.cache/omni-ray/qwen-image-tiny
 # The page tests drive Debian's chromium through Playwright (which cannot download its own browser here).
 CHROMIUM := $(shell command -v chromium || command -v chromium-browser)
-# The GCS fault-tolerance test (tests/test_gcs_fault_tolerance.py) starts Debian's redis-server itself, on a loopback
+# The operations test (tests/test_operations.py) starts Debian's redis-server itself, on a loopback
 # port of its own; the package's system service is stopped and disabled again after the install.
 REDIS_SERVER := $(shell command -v redis-server)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

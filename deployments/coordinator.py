@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 import uuid
@@ -44,12 +45,14 @@ from starlette.background import BackgroundTask
 
 from deployments import metrics
 from deployments.admission import Admission
+from deployments.health import ReplicaWatch
 from deployments.http import bodies
-from deployments.http.adapters import Adapters, AdapterStore, ClusterAdapters
+from deployments.http.adapters import Adapters, AdapterStore, ClusterAdapters, MirroredAdapters
 from deployments.http.api_keys import ApiKeys
 from deployments.http.page import WEB_FILES, page_html
 from deployments.http.quotas import NO_LEASE, ClusterQuotas, Lease, Quotas
 from deployments.http.routes import build_api
+from deployments.live import LiveDeployment
 from deployments.priority_slots import PrioritySlots
 from deployments.process import collect_when_idle, freeze_startup_heap, watch_event_loop
 from deployments.ray_private import serve_tracing_enabled
@@ -86,6 +89,7 @@ from omni_ray.api.responses import (
 from omni_ray.api.schema import ImageGenerationRequest, parse_request
 from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.errors import NotFoundError, OmniRayError, OverloadedError
+from omni_ray.live_settings import CoordinatorLive
 from omni_ray.records import Decoded
 from omni_ray.request_path import Failed, ImageDone, ImagePreview, Progress, RequestEvent, Stages, collect, run_request
 from omni_ray.tokenizer import tokenizer_for
@@ -98,11 +102,17 @@ MAX_IMAGE_DECODES = 4  # uploads decoded and resized at once, on threads: each m
 MAX_IMAGE_WRITES = min(32, (os.cpu_count() or 1) + 4)  # image files written at once: as many threads as the event
 # loop's default executor (asyncio.to_thread's) runs, so the slots, not that executor's FIFO queue, decide the order
 COORDINATOR = {"stage": "coordinator"}  # the metrics' stage label
+STALE_HEADER = "X-Omni-Ray-Stale-Seconds"  # on /v1/models while the adapters come from a replica's copy
+ADAPTERS_EVERY_S = 10.0  # the run-time adapters listed into this replica's copy (MirroredAdapters)
+STAGES_HEARD_WITHIN_S = 10.0  # at most, at start: stages still loading their models take longer
 
 
-class CrossEngineCoordinator:
+class CrossEngineCoordinator(LiveDeployment):
     """Plans requests, admits them, runs them across the stage engines and views their event streams: JSON,
     server-sent events, or records for handle callers."""
+
+    stage = "coordinator"
+    live_settings = CoordinatorLive
 
     def __init__(self, encoder: DeploymentHandle, dit: DeploymentHandle, vae: DeploymentHandle, config: PipelineConfig):
         """Serve builds one in each coordinator replica, over the stage deployments' handles (``app.build_app``),
@@ -113,12 +123,19 @@ class CrossEngineCoordinator:
             tracing.enable()  # spans for Ray Serve's exporter (omni_ray.tracing)
         app_name, api_keys = serve.get_replica_context().app_name, ApiKeys.from_env()
         quotas = Quotas.from_env(api_keys.count, lambda: ClusterQuotas(app_name))
-        self._setup(ServeStages(encoder, dit, vae), config, ClusterAdapters(app_name), api_keys,
-                    _deployments_without_replicas, quotas)
+        stages = ServeStages(encoder, dit, vae)
+        adapters = MirroredAdapters(ClusterAdapters(app_name, read_timeout_s=MirroredAdapters.READ_TIMEOUT_S))
+        self._setup(stages, config, adapters, api_keys, ReplicaWatch(stages.running_replicas), quotas)
+        # Serve routes requests here once this returns; a replica started beside running stages (an upgrade) waits
+        # until its routers have heard of their replicas, or /health would say 503 for them meanwhile.
+        deadline = time.monotonic() + STAGES_HEARD_WITHIN_S
+        while self.unready() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the routers hear from Serve's controller on a thread of their own
         # Serve runs the constructor on the event loop that serves the requests: the one to watch.
         loop = asyncio.get_running_loop()
         self.watch = loop.create_task(_watch_event_loop())
         self.collect = loop.create_task(collect_when_idle(lambda: (self.in_flight, self.served)))
+        self.refresh = loop.create_task(_keep_fresh(self.unready, adapters))
         freeze_startup_heap()
 
     @classmethod
@@ -144,12 +161,25 @@ class CrossEngineCoordinator:
         self.image_slots = PrioritySlots(MAX_IMAGE_DECODES)  # uploads being decoded
         self.write_slots = PrioritySlots(MAX_IMAGE_WRITES)  # image files being written
         self.admission = Admission()
+        self._start_live(config)
         self.in_flight = 0  # requests whose events are being produced
         self.served = 0  # requests that ended, however
         if api_keys.required:
             logger.info("API keys are on: /v1/... routes take `Authorization: Bearer <key>`")
         else:
             logger.warning("OMNI_RAY_API_KEY is not set: anyone who reaches this port can use every route")
+
+    def _apply(self, live: CoordinatorLive) -> None:
+        """The admission margins and the API keys' quotas (``key_limits``: in place of OMNI_RAY_KEY_LIMITS')."""
+        quota_settings = live.quota_settings(self.api_keys.count or None)
+        preset = Admission()
+        self.admission.margin = preset.margin if live.admission_margin is None else live.admission_margin
+        self.admission.margin_s = preset.margin_s if live.admission_margin_s is None else live.admission_margin_s
+        self.quotas.set_settings(quota_settings)
+
+    def stats(self) -> dict:
+        """Its live settings (``LiveDeployment.live_stats``), for a handle caller."""
+        return self.live_stats()
 
     # --- routes (attached by http.routes.build_api) --------------------------------------------------------------
 
@@ -195,14 +225,20 @@ class CrossEngineCoordinator:
         kind, data = WEB_FILES[name]
         return Response(data, media_type=kind, headers={"Cache-Control": "no-cache"})
 
-    async def models(self, request: Request) -> dict:
+    async def models(self, request: Request) -> JSONResponse:
+        """OpenAI's model list; while the adapters come from this replica's copy (the GCS not answering), the
+        ``X-Omni-Ray-Stale-Seconds`` header says how old it is."""
         self.authorize(request)
-        return await self.adapters.model_list()
+        return self._models_response(await self.adapters.model_list())
 
-    async def model(self, request: Request, model: str) -> dict:
+    async def model(self, request: Request, model: str) -> JSONResponse:
         """One model of the list (OpenAI's ``models.retrieve``); 404 naming ``model`` for any other."""
         self.authorize(request)
-        return await self.adapters.model(model)
+        return self._models_response(await self.adapters.model(model))
+
+    def _models_response(self, body: dict) -> JSONResponse:
+        stale_s = self.adapters.store.stale_s
+        return JSONResponse(body, headers={STALE_HEADER: f"{stale_s:.0f}"} if stale_s is not None else None)
 
     async def load_lora_adapter(self, request: Request) -> JSONResponse:
         with self._counting_errors():
@@ -215,9 +251,10 @@ class CrossEngineCoordinator:
             return JSONResponse(await self.adapters.unload(request))
 
     async def health(self) -> JSONResponse:
-        """200 once every deployment of the app has a running replica, else 503 naming those without one (still
-        starting, or all lost): the ingress alone answering does not mean a request can be served."""
-        waiting = await asyncio.to_thread(self.unready)
+        """200 once every stage has a replica to take a call, else 503 naming those without one (still starting,
+        replaced, or all lost): the ingress alone answering does not mean a request can be served. Answered from what
+        this replica knows (``deployments.health``), never waiting on the cluster."""
+        waiting = self.unready()
         if waiting:
             return JSONResponse({"status": "unavailable", "waiting_for": waiting}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -454,9 +491,18 @@ def _count_failure(err: OmniRayError) -> None:
     metrics.errors.inc(tags={**COORDINATOR, "type": type(err).__name__})
 
 
-def _deployments_without_replicas() -> list[str]:
-    app = serve.status().applications[serve.get_replica_context().app_name]
-    return sorted(name for name, deployment in app.deployments.items() if not deployment.replica_states.get("RUNNING"))
+async def _keep_fresh(watch: ReplicaWatch, adapters: MirroredAdapters) -> None:
+    """Looks at the stages' replicas twice a second, so that ``/health`` knows how long one has been without any;
+    lists the adapters into their copy every ``ADAPTERS_EVERY_S`` (so that it is recent when the GCS goes away), and
+    every second while the copy stands in for the store (so that the store takes over again as soon as it answers)."""
+    listed_at = -math.inf
+    while True:
+        watch()
+        every_s = 1.0 if adapters.stale_s is not None else ADAPTERS_EVERY_S
+        if time.monotonic() - listed_at >= every_s:
+            listed_at = time.monotonic()
+            await adapters.refresh()
+        await asyncio.sleep(0.5)
 
 
 async def _watch_event_loop() -> None:

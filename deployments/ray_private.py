@@ -6,6 +6,9 @@ where it is. Serve exposes that only through these private methods.
 
 The GCS's key-value store (where Serve keeps its own state) holds what every coordinator replica must share; Ray
 exposes its asyncio client only privately. A namespace must not hold ':' (Ray 2.60 splits keys on it when listing).
+
+A handle's router holds the running replicas of its deployment, which Serve's controller pushes to it: how many it
+holds is this process's own knowledge, read without asking the controller or the GCS (``running_replicas``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import ray
 from ray._private.worker import global_worker
-from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 
 
 async def object_ref(response: DeploymentResponse) -> ray.ObjectRef:
@@ -27,11 +30,22 @@ async def object_ref_stream(response: DeploymentResponseGenerator) -> AsyncItera
     return await response._to_object_ref_gen()
 
 
+def running_replicas(handle: DeploymentHandle) -> int:
+    """The replicas of the handle's deployment that its router may send a call to: those Serve's controller last
+    said are running (a replica being reconfigured or stopped is not), less any the router saw die since; 0 before
+    the controller's first word. Starts the router if the handle has none yet."""
+    router = handle._init_router()._asyncio_router
+    request_router = router._request_router  # the property would make one
+    if request_router is not None:
+        return len(request_router.curr_replicas)
+    return len(router._running_replicas or ())
+
+
 KV_TIMEOUT_S = 10.0
 
 
-async def kv_get(key: str, namespace: str) -> bytes | None:
-    return await global_worker.gcs_client.async_internal_kv_get(key.encode(), namespace.encode(), timeout=KV_TIMEOUT_S)
+async def kv_get(key: str, namespace: str, timeout: float = KV_TIMEOUT_S) -> bytes | None:
+    return await global_worker.gcs_client.async_internal_kv_get(key.encode(), namespace.encode(), timeout=timeout)
 
 
 async def kv_add(key: str, value: bytes, namespace: str) -> bool:
@@ -46,11 +60,11 @@ async def kv_delete(key: str, namespace: str) -> bool:
                                                                 timeout=KV_TIMEOUT_S) > 0
 
 
-async def kv_items(prefix: str, namespace: str) -> dict[str, bytes]:
+async def kv_items(prefix: str, namespace: str, timeout: float = KV_TIMEOUT_S) -> dict[str, bytes]:
     """Every key under ``prefix`` with its value."""
     client, space = global_worker.gcs_client, namespace.encode()
-    keys = await client.async_internal_kv_keys(prefix.encode(), space, timeout=KV_TIMEOUT_S)
-    values = await client.async_internal_kv_multi_get(keys, space, timeout=KV_TIMEOUT_S) if keys else {}
+    keys = await client.async_internal_kv_keys(prefix.encode(), space, timeout=timeout)
+    values = await client.async_internal_kv_multi_get(keys, space, timeout=timeout) if keys else {}
     return {key.decode(): value for key, value in values.items()}
 
 

@@ -24,7 +24,7 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from deployments.ray_private import object_ref, object_ref_stream
+from deployments.ray_private import object_ref, object_ref_stream, running_replicas
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.config import LoraEntry
 from omni_ray.engine.dit_load import size_key
@@ -122,6 +122,11 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
             cancel(response)
             logger.warning("no estimate from the DiT (%s: %s): the request is admitted", type(err).__name__, err)
             return None
+
+    def running_replicas(self) -> dict[str, int]:
+        """Each stage deployment's replicas that this process's routers may send a call to (``/health``)."""
+        return {"Encoder": running_replicas(self.encoder), "DiT": running_replicas(self.dit),
+                "VAE": running_replicas(self.vae)}
 
     def release(self, request_id: str) -> None:
         """Sent, not awaited: the router takes it to the replica that reserved the request (``deployments.routing``);

@@ -57,6 +57,19 @@ def stage_stats(served) -> dict:
         ray.shutdown()
 
 
+def replica_stats(address: str, names=("Coordinator", "Encoder", "DiT", "VAE")) -> dict[str, list[dict]]:
+    """Every replica's ``stats()`` of each deployment (Serve's broadcast), by deployment name."""
+    import ray
+    from ray import serve
+
+    try:
+        connect_ray(address)
+        return {name: serve.get_deployment_handle(name, "omni-ray").broadcast("stats").results(timeout_s=60)
+                for name in names}
+    finally:
+        ray.shutdown()
+
+
 def assert_stops_within_10_s_leaving_no_vllm_file(served, signum) -> None:
     """vLLM's encoder rendezvouses over loopback TCP, so no /tmp/vllm_dist_* file exists to be left behind,
     however a replica ends; ``signum`` (SIGINT or SIGTERM) stops serve run within 10 s, with status 0 and no stack

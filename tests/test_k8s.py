@@ -6,6 +6,7 @@ import copy
 import functools
 import importlib
 import math
+import re
 
 import jsonschema
 import pytest
@@ -369,3 +370,17 @@ def test_every_ray_container_reads_the_key_limits_from_an_optional_secrets_file(
                 env = {item["name"]: item for item in container.get("env", [])}
                 mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
                 assert env["OMNI_RAY_KEY_LIMITS_FILE"]["value"] == mounts["key-limits"] + "/limits", path.name
+
+
+def test_every_worker_is_ready_by_the_app_s_health_route_within_the_probe_s_timeout():
+    """The serve Service's pods are ready while the app's /health (answered from the coordinator's own knowledge,
+    GCS outage included: tests/test_operations.py) says every stage serves, read with a timeout the probe's covers."""
+    for path, doc in rayservices():
+        for group in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+            (container,) = group["template"]["spec"]["containers"]
+            probe = container["readinessProbe"]
+            command = probe["exec"]["command"][-1]
+            assert "http://localhost:8000/health" in command and "local_raylet_healthz" in command, path.name
+            reads = [int(seconds) for seconds in re.findall(r"wget -T (\d+)", command)]
+            assert sum(reads) <= probe["timeoutSeconds"] and probe["failureThreshold"] * probe["periodSeconds"] >= 15
+            assert "livenessProbe" not in container  # KubeRay's: a stage without replicas must not restart pods

@@ -4,16 +4,19 @@ unload and list them.
 A replica that took ``POST /v1/load_lora_adapter`` is one of several, and may be replaced at any time; the adapters
 it added must be served by all of them from the moment the call returns, and by their replacements. The store is
 asked on every request that names an adapter the preset does not have: in the app, Ray's GCS key-value store
-(``ClusterAdapters``, as long as the cluster lives; with GCS fault tolerance, its restarts too).
+(``ClusterAdapters``, as long as the cluster lives; with GCS fault tolerance, its restarts too), read through a copy
+(``MirroredAdapters``) that answers while the GCS does not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 from fastapi import Request
@@ -68,6 +71,11 @@ class AdapterStore(ABC):
     async def remove(self, name: str) -> bool:
         """Whether ``name`` was there."""
 
+    @property
+    def stale_s(self) -> float | None:
+        """How old the answers are, where a copy answers for a store that does not (None: they are the store's)."""
+        return None
+
 
 class ClusterAdapters(AdapterStore):
     """The app's run-time adapters in the GCS's key-value store, which every replica reads and which outlives them
@@ -75,15 +83,16 @@ class ClusterAdapters(AdapterStore):
 
     NAMESPACE = "omni_ray_adapters"
 
-    def __init__(self, app_name: str):
+    def __init__(self, app_name: str, read_timeout_s: float = ray_private.KV_TIMEOUT_S):
         self.prefix = f"{app_name}/"
+        self.read_timeout_s = read_timeout_s
 
     async def get(self, name: str) -> Adapter | None:
-        data = await ray_private.kv_get(self.prefix + name, self.NAMESPACE)
+        data = await ray_private.kv_get(self.prefix + name, self.NAMESPACE, self.read_timeout_s)
         return Adapter.from_json(data) if data is not None else None
 
     async def all(self) -> dict[str, Adapter]:
-        items = await ray_private.kv_items(self.prefix, self.NAMESPACE)
+        items = await ray_private.kv_items(self.prefix, self.NAMESPACE, self.read_timeout_s)
         return {key.removeprefix(self.prefix): Adapter.from_json(value) for key, value in items.items()}
 
     async def add(self, name: str, adapter: Adapter) -> bool:
@@ -91,6 +100,84 @@ class ClusterAdapters(AdapterStore):
 
     async def remove(self, name: str) -> bool:
         return await ray_private.kv_delete(self.prefix + name, self.NAMESPACE)
+
+
+class MirroredAdapters(AdapterStore):
+    """``store`` read through, with a copy of what it last said. When a read is not answered within
+    ``READ_TIMEOUT_S`` (the GCS down or restarting), the copy answers it and every read after it, at once, until
+    ``refresh`` (the coordinator's, every second meanwhile) finds the store answering again: ``/v1/models`` and
+    requests naming a run-time adapter keep their answers through an outage, as they were when it began.
+    ``stale_s`` says how old the copy is while it stands in (None while the store answers); the log says when that
+    starts and ends. Loads and unloads go to the store alone, so during an outage they fail rather than half happen."""
+
+    READ_TIMEOUT_S = 0.5
+
+    def __init__(self, store: AdapterStore, clock: Callable[[], float] = time.monotonic):
+        self.store, self.clock = store, clock
+        self.copy: dict[str, Adapter] = {}
+        self.copied_at: float | None = None  # when the store last listed every adapter
+        self.standing_in_since: float | None = None  # the copy answers in the store's place since then
+
+    @property
+    def stale_s(self) -> float | None:
+        if self.standing_in_since is None:
+            return None
+        return self.clock() - (self.copied_at if self.copied_at is not None else self.standing_in_since)
+
+    async def get(self, name: str) -> Adapter | None:
+        found = await self._read(lambda: self.store.get(name)) if self.standing_in_since is None else _UNANSWERED
+        if found is _UNANSWERED:
+            return self.copy.get(name)
+        if found is None:
+            self.copy.pop(name, None)
+        else:
+            self.copy[name] = found
+        return found
+
+    async def all(self) -> dict[str, Adapter]:
+        if self.standing_in_since is not None:
+            return dict(self.copy)
+        return await self.refresh()
+
+    async def refresh(self) -> dict[str, Adapter]:
+        """Lists the store into the copy, the copy standing in if it does not answer."""
+        listed = await self._read(self.store.all)
+        if listed is _UNANSWERED:
+            return dict(self.copy)
+        self.copy, self.copied_at = dict(listed), self.clock()
+        if self.standing_in_since is not None:
+            logger.info("the adapter store answers again, after %.0f s", self.clock() - self.standing_in_since)
+            self.standing_in_since = None
+        return listed
+
+    async def add(self, name: str, adapter: Adapter) -> bool:
+        added = await self.store.add(name, adapter)
+        if added:
+            self.copy[name] = adapter
+        return added
+
+    async def remove(self, name: str) -> bool:
+        self.copy.pop(name, None)
+        return await self.store.remove(name)
+
+    async def _read(self, read: Callable[[], Awaitable]):
+        """``read()``'s result, or _UNANSWERED once ``READ_TIMEOUT_S`` passed without one (the read is left to end
+        by itself, not waited for: a GCS call in flight may take its time to cancel) or it failed."""
+        task = asyncio.ensure_future(read())
+        done, _ = await asyncio.wait({task}, timeout=self.READ_TIMEOUT_S)
+        error = task.exception() if done else None
+        if done and error is None:
+            return task.result()
+        if not done:
+            task.add_done_callback(lambda late: late.cancelled() or late.exception())  # its error, once, unlogged
+        if self.standing_in_since is None:
+            self.standing_in_since = self.clock()
+            logger.warning("the adapter store did not answer (%s): run-time adapters are served from this replica's "
+                           "copy until it does", repr(error) if error is not None else f"{self.READ_TIMEOUT_S} s")
+        return _UNANSWERED
+
+
+_UNANSWERED = object()
 
 
 class Adapters:
