@@ -364,7 +364,33 @@ class DiTConfig(_StageConfig):
         "8.9 or more (L4, L40S, H100, H200), dtype bfloat16 and torchao (`pip install -e .[fp8]`). Off by default: "
         "its effect on image quality with real weights is not measured here.",
     )
+    weights_file: str | None = Field(
+        None,
+        description="A GGUF file of the transformer's weights, as people download them (Q8_0, Q6_K, Q5_K_M, Q4_K_M, "
+        "... of Qwen-Image and its Edit releases; `python -m omni_ray.checkpoints.gguf` writes one from a "
+        "checkpoint), in place of the checkpoint's transformer/ weights (its config still comes from there): each "
+        "quantized Linear dequantizes its weight in `dtype` per forward, through diffusers' GGUF support. Checked at "
+        "the DiT's start: not a GGUF file, cut short, another model's, or a quant type diffusers cannot read is an "
+        "error naming this field. Not with `quantization: fp8`, tensor parallelism or `weights: dummy`.",
+    )
 
+    @model_validator(mode="after")
+    def _check_weights_file(self) -> DiTConfig:
+        if self.weights_file is None:
+            return self
+        path = pathlib.Path(self.weights_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"weights_file: {self.weights_file} is not a file")
+        with path.open("rb") as file:
+            if file.read(4) != b"GGUF":
+                raise ValueError(f"weights_file: {self.weights_file} is not a GGUF file (it does not start with "
+                                 "'GGUF')")
+        if self.quantization != "none":
+            raise ValueError("weights_file: a GGUF file is quantized already; leave quantization at none")
+        if self.parallel.tensor > 1:
+            raise ValueError("weights_file: tensor parallelism slices full-precision weights; GGUF weights are "
+                             "served whole on each rank (cfg, ulysses and ring parallelism)")
+        return self
 
     @model_validator(mode="after")
     def _check_simulated_gang(self) -> DiTConfig:
@@ -688,6 +714,9 @@ class PipelineConfig(_Frozen):
                              "qwen-image-layered)")
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
+        if self.dit.weights_file is not None and self.weights == "dummy":
+            raise ValueError("dit.weights_file: weights: dummy builds the transformer with random weights; set "
+                             "weights: checkpoint to read the GGUF file")
         check_placement(self)
         if unknown := sorted(set(self.inpaint_controlnets) - set(self.controlnets)):
             raise ValueError(f"inpaint_controlnets: {unknown[0]!r} is not one of `controlnets`")
@@ -717,6 +746,7 @@ class PipelineConfig(_Frozen):
                              "keys and values instead (dit.cache_memory_bytes)")
         not_yet = {  # what the Qwen-Image runners have and the 2.1 ones do not yet
             "dit.compile": self.dit.compile, "dit.quantization": self.dit.quantization != "none",
+            "dit.weights_file": self.dit.weights_file is not None,
             "dit.parallel": self.dit.parallel.world_size > 1, "vae.parallel": self.vae.parallel.world_size > 1,
             "vae.tiling": self.vae.tiling, "controlnets": bool(self.controlnets),
             "runner": "simulated" in (self.encoder.runner, self.dit.runner, self.vae.runner),

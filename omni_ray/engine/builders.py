@@ -179,7 +179,8 @@ def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None
                                     dummy=config.weights == "dummy", max_loras=stage.max_loras, mesh=mesh)
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
-                                quantization=stage.quantization, mesh=mesh, controlnets=dict(config.controlnets))
+                                quantization=stage.quantization, mesh=mesh, controlnets=dict(config.controlnets),
+                                weights_file=stage.weights_file)
     if stage.compile:  # compile now, while the replica is not yet ready, not on a user's first request
         seconds = runner.warm_up(config.requests.default_height, config.requests.default_width)
         logger.info("DiT blocks compiled for %dx%d in %.1f s", config.requests.default_width,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 import time
 
 import torch
@@ -56,6 +57,7 @@ from omni_ray.records import (
 )
 from omni_ray.runners.attention import use_real_rope
 from omni_ray.runners.denoise_state import DenoiseState, prepare_state
+from omni_ray.runners import gguf_weights as gguf
 from omni_ray.runners.dit_cache import BranchCache, ControlRows, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.parallel.mesh import Comm, Mesh
@@ -97,7 +99,7 @@ class DenoiseRunner(SteppingRunner):
         cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False, max_loras: int = 4,
         compile: bool = False, quantization: str = "none", mesh: Mesh | None = None,
-        controlnets: dict[str, str] | None = None,
+        controlnets: dict[str, str] | None = None, weights_file: str | None = None,
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
@@ -107,11 +109,17 @@ class DenoiseRunner(SteppingRunner):
         the transformer reaches the device. Known limit: each rank reads the whole checkpoint on its host first
         (about 41 GB in bf16 at full size) rather than only its slice. ``controlnets`` (the preset's: name ->
         folder of a ``QwenImageControlNetModel``) are loaded whole on every rank, in ``dtype`` on ``device``
-        (neither quantized nor compiled)."""
+        (neither quantized nor compiled). ``weights_file``: a GGUF file of the transformer's weights in place of
+        the checkpoint's (``checkpoints.gguf``), checked against its config first."""
         tensor_parallel = mesh is not None and mesh.tensor.size > 1
         if dummy:  # the whole model on the host first when only a slice of it is to reach the device
             config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
             transformer = random_model(QwenImageTransformer2DModel, config, dtype, "cpu" if tensor_parallel else device)
+        elif weights_file is not None:
+            transformer_config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
+            summary = gguf.check(pathlib.Path(weights_file).expanduser(), transformer_config)
+            logger.info("DiT weights from %s: %s, %.2f GiB", weights_file, summary.quant_types, summary.bytes / 2**30)
+            transformer = gguf.load_transformer(pathlib.Path(weights_file).expanduser(), model, dtype)
         else:
             transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
         vae_config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")

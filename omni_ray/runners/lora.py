@@ -198,7 +198,7 @@ class LoraLinear(nn.Module):
         self.base, self.table = base, table
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
-        self.scaling = torch.zeros(table.max_loras, device=base.weight.device, dtype=base.weight.dtype)  # [slots]
+        self.scaling = torch.zeros(table.max_loras, **_computed_like(base))  # [slots]
         # alpha / rank of each slot's adapter
         self.filled: frozenset[int] = frozenset()  # slots whose adapter adapts this layer
 
@@ -233,8 +233,7 @@ class LoraLinear(nn.Module):
                     else (layer.a, layer.b))  # A, B
         rank = down.shape[0]
         if self.a is None or self.a.shape[1] < rank:  # (re)allocate, padded to the largest rank
-            like = {"device": self.base.weight.device, "dtype": self.base.weight.dtype}  # a quantized weight's
-            # dtype is the one it computes in
+            like = _computed_like(self.base)
             a = torch.zeros(self.table.max_loras, rank, self.base.in_features, **like)
             b = torch.zeros(self.table.max_loras, self.base.out_features, rank, **like)
             if self.a is not None:
@@ -252,6 +251,12 @@ class LoraLinear(nn.Module):
             self.filled -= {slot}
             self.a[slot].zero_()
             self.b[slot].zero_()
+
+
+def _computed_like(base: nn.Linear) -> dict:
+    """The device and dtype a Linear computes in: its weight's, but a GGUF weight's ``compute_dtype`` (its own
+    dtype is its bytes'); torchao's float8 weight reports the dtype it computes in."""
+    return {"device": base.weight.device, "dtype": getattr(base, "compute_dtype", None) or base.weight.dtype}
 
 
 class LoraTable:
