@@ -143,7 +143,7 @@ def test_a_step_of_gguf_rows_with_and_without_an_adapter_a_cache_and_an_edit_giv
     texts = [(params(1), ()), (params(2, lora=lora), ()), (params(3, cache=cache), ())]
     edits = [(params(4), image), (params(5, lora=lora), image)]
     for rows in (texts, edits):
-        together, states = run(rows)
+        together, _ = run(rows)
         for i, row in enumerate(rows):
             assert_reordered(together[i], run([row])[0][0], i)
         assert (together[0] - together[1]).abs().max() > 1e-2  # the adapter took effect
