@@ -291,6 +291,22 @@ class VaeParallelSettings(GangSettings):
         return self.patches
 
 
+class OffloadSettings(_Frozen):
+    """The DiT's blocks streamed through a card that cannot hold them all (omni_ray/runners/offload.py)."""
+
+    blocks_on_gpu: NonNegativeInt = Field(
+        description="Transformer blocks kept on the device (of Qwen-Image's 60; the first always, as cache "
+        "acceleration reads it before it runs); the others' weights stay in pinned host memory and are copied in "
+        "one block ahead of the block computing, then dropped: at most max(blocks_on_gpu, 1) + 2 blocks' weights on "
+        "the device at once. A step copies each streamed block once whatever its rows, so deep step batches pay for "
+        "it.",
+    )
+    host_to_device_gbps: float = Field(
+        25.0, gt=0, description="GB/s the host's copies to the device run at (25: PCIe 4.0 x16 in practice): a "
+        "step's transfer time, which the DiT's load counts as its steps' fixed cost until it has measured them.",
+    )
+
+
 class DiTConfig(_StageConfig):
     """The diffusion transformer stage: step-level continuously batched denoising."""
 
@@ -364,6 +380,10 @@ class DiTConfig(_StageConfig):
         "8.9 or more (L4, L40S, H100, H200), dtype bfloat16 and torchao (`pip install -e .[fp8]`). Off by default: "
         "its effect on image quality with real weights is not measured here.",
     )
+    offload: OffloadSettings | None = Field(
+        None, description="Stream the transformer's blocks through the device (`blocks_on_gpu`); unset: every block "
+        "stays on it. Not with `compile` or tensor parallelism.",
+    )
     weights_file: str | None = Field(
         None,
         description="A GGUF file of the transformer's weights, as people download them (Q8_0, Q6_K, Q5_K_M, Q4_K_M, "
@@ -373,6 +393,15 @@ class DiTConfig(_StageConfig):
         "the DiT's start: not a GGUF file, cut short, another model's, or a quant type diffusers cannot read is an "
         "error naming this field. Not with `quantization: fp8`, tensor parallelism or `weights: dummy`.",
     )
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> DiTConfig:
+        if self.offload is not None and self.compile:
+            raise ValueError("offload: streamed blocks swap their weights in hooks that compiled blocks would trace; "
+                             "set compile: false")
+        if self.offload is not None and self.parallel.tensor > 1:
+            raise ValueError("offload: not with tensor parallelism (its ranks' slices are not streamed)")
+        return self
 
     @model_validator(mode="after")
     def _check_weights_file(self) -> DiTConfig:
@@ -746,7 +775,7 @@ class PipelineConfig(_Frozen):
                              "keys and values instead (dit.cache_memory_bytes)")
         not_yet = {  # what the Qwen-Image runners have and the 2.1 ones do not yet
             "dit.compile": self.dit.compile, "dit.quantization": self.dit.quantization != "none",
-            "dit.weights_file": self.dit.weights_file is not None,
+            "dit.weights_file": self.dit.weights_file is not None, "dit.offload": self.dit.offload is not None,
             "dit.parallel": self.dit.parallel.world_size > 1, "vae.parallel": self.vae.parallel.world_size > 1,
             "vae.tiling": self.vae.tiling, "controlnets": bool(self.controlnets),
             "runner": "simulated" in (self.encoder.runner, self.dit.runner, self.vae.runner),

@@ -45,14 +45,17 @@ def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[lis
 
 
 def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4, split: str = "sequence",
-                compile: bool = False, weights_file: str | None = None) -> tuple[dict[str, torch.Tensor], list]:
+                compile: bool = False, weights_file: str | None = None, offload_resident: int | None = None
+                ) -> tuple[dict[str, torch.Tensor], list]:
     """Every request's final latents on this rank (``mesh`` None: one process), and the bytes sent per step;
     every step split as ``split`` says (``DenoiseBatch.split``); with ``compile``, the blocks compiled; with
-    ``weights_file``, the transformer's weights from that GGUF file."""
+    ``weights_file``, the transformer's weights from that GGUF file; with ``offload_resident``, the blocks past
+    that many streamed (the bytes sent then end with the streamer's figures: peak, fetches)."""
     from omni_ray.runners.denoise import DenoiseRunner
 
     torch.manual_seed(0)
-    runner = DenoiseRunner.load(model, mesh=mesh, compile=compile, weights_file=weights_file)
+    runner = DenoiseRunner.load(model, mesh=mesh, compile=compile, weights_file=weights_file,
+                                offload_resident=offload_resident)
     for name, path in adapters.items():
         runner.add_lora((name, path), read_lora(path, runner.lora_shapes))
     dim = runner.transformer.config.joint_attention_dim
@@ -67,6 +70,8 @@ def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4, spli
             new = []
             sent.append({op: n - before.get(op, 0) for op, n in runner.mesh.sent.items()})
             latents.update({rid: result.latents for rid, result in output.finished.items()})
+    if runner.streamer is not None:
+        sent.append({"peak": runner.streamer.peak, "fetches": runner.streamer.fetches})
     return latents, sent
 
 

@@ -180,7 +180,9 @@ def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None
     runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
                                 quantization=stage.quantization, mesh=mesh, controlnets=dict(config.controlnets),
-                                weights_file=stage.weights_file)
+                                weights_file=stage.weights_file,
+                                offload_resident=stage.offload.blocks_on_gpu if stage.offload is not None else None,
+                                offload_gbps=stage.offload.host_to_device_gbps if stage.offload is not None else 25.0)
     if stage.compile:  # compile now, while the replica is not yet ready, not on a user's first request
         seconds = runner.warm_up(config.requests.default_height, config.requests.default_width)
         logger.info("DiT blocks compiled for %dx%d in %.1f s", config.requests.default_width,

@@ -82,7 +82,7 @@ class DiTEngineCore(EngineCore):
     def __init__(self, scheduler, runner, clock: Callable[[], float] = time.perf_counter):
         """``clock``: what step times are read from (a benchmark's virtual clock, under a simulated runner)."""
         super().__init__(scheduler, runner)
-        self.step_times = StepTimes()
+        self.step_times = StepTimes(overhead_s=getattr(runner, "step_overhead_s", 0.0))
         self.clock = clock
 
     def step(self) -> list[EngineCoreOutput]:

@@ -57,10 +57,15 @@ class StepTimes:
     were seen it is proportional (no overhead). A step ten times slower than the fit predicts (the first step of a
     shape that compiles, say) is left out once the fit has a few steps. Beside it, for each size (tokens to a power
     of two), a moving mean of how much slower its steps ran than the fit said: the estimates' margin for the fit's
-    error. Lives in the DiT's core, on the engine's thread; others read its ``snapshot()`` in the engine's stats."""
+    error. Lives in the DiT's core, on the engine's thread; others read its ``snapshot()`` in the engine's stats.
 
-    def __init__(self, halflife_steps: float = 200.0):
+    ``overhead_s``: a step's fixed cost known before any step ran (a streamed DiT's weight transfer, ``dit.offload``):
+    while steps of one size only were seen, the fit keeps it (at most 99% of a step) and makes the rest
+    proportional, so the first estimates already share the transfer between a step's rows."""
+
+    def __init__(self, halflife_steps: float = 200.0, overhead_s: float = 0.0):
         self.decay = 0.5 ** (1.0 / halflife_steps)
+        self.overhead_s = overhead_s
         self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, tokens, tokens^2, seconds, tokens*seconds
         self.fit: tuple[float, float] = (0.0, 0.0)  # (overhead s, s per token)
         self.num_steps = 0
@@ -77,7 +82,7 @@ class StepTimes:
         weight, t, tt, y, ty = self.sums
         self.sums = (d * weight + 1, d * t + tokens, d * tt + tokens**2, d * y + seconds, d * ty + tokens * seconds)
         self.num_steps += 1
-        self.fit = _solve(*self.sums)
+        self.fit = _solve(*self.sums, self.overhead_s)
 
     def seconds(self, tokens: int) -> float:
         overhead, per_token = self.fit
@@ -87,14 +92,16 @@ class StepTimes:
         return StepFit(*self.fit, self.num_steps, max([1.0, *self.slow_by_size.values()]))
 
 
-def _solve(w: float, t: float, tt: float, y: float, ty: float) -> tuple[float, float]:
+def _solve(w: float, t: float, tt: float, y: float, ty: float, overhead_s: float = 0.0) -> tuple[float, float]:
     variance = w * tt - t * t
     if variance > 1e-6 * w * tt:  # steps of more than one size: a line
         per_token = (w * ty - t * y) / variance
         overhead = (y - per_token * t) / w
         if overhead >= 0 and per_token > 0:
             return overhead, per_token
-    return 0.0, y / t  # one size so far (or a fit that makes no sense): proportional
+    # one size so far (or a fit that makes no sense): the known overhead, the rest proportional
+    overhead = min(overhead_s, 0.99 * y / w)
+    return overhead, (y - overhead * w) / t
 
 
 @dataclass(slots=True)

@@ -60,6 +60,7 @@ from omni_ray.runners.denoise_state import DenoiseState, prepare_state
 from omni_ray.runners import gguf_weights as gguf
 from omni_ray.runners.dit_cache import BranchCache, ControlRows, cached_forward
 from omni_ray.runners.host import to_host
+from omni_ray.runners.offload import BlockStreamer, stream_blocks
 from omni_ray.runners.parallel.mesh import Comm, Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.parallel.tensor import shard_transformer
@@ -93,6 +94,8 @@ class DenoiseRunner(SteppingRunner):
         self.scheduler_config = scheduler_config
         self.num_channels_latents = transformer.config.in_channels // 4
         self.warmup_s: float | None = None  # how long warm_up took (compiling, with compiled blocks)
+        self.streamer: BlockStreamer | None = None  # dit.offload's: the blocks streamed through the device
+        self.step_overhead_s = 0.0  # a step's known fixed cost (the streamed blocks' copies), for the DiT's load
 
     @classmethod
     def load(
@@ -100,6 +103,7 @@ class DenoiseRunner(SteppingRunner):
         teacache_coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE, dummy: bool = False, max_loras: int = 4,
         compile: bool = False, quantization: str = "none", mesh: Mesh | None = None,
         controlnets: dict[str, str] | None = None, weights_file: str | None = None,
+        offload_resident: int | None = None, offload_gbps: float = 25.0,
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
@@ -110,11 +114,14 @@ class DenoiseRunner(SteppingRunner):
         (about 41 GB in bf16 at full size) rather than only its slice. ``controlnets`` (the preset's: name ->
         folder of a ``QwenImageControlNetModel``) are loaded whole on every rank, in ``dtype`` on ``device``
         (neither quantized nor compiled). ``weights_file``: a GGUF file of the transformer's weights in place of
-        the checkpoint's (``checkpoints.gguf``), checked against its config first."""
+        the checkpoint's (``checkpoints.gguf``), checked against its config first. ``offload_resident``: the blocks
+        kept on the device, the others streamed through it (``offload.stream_blocks``) at ``offload_gbps`` GB/s (what its
+        step-time fit starts from); None: all on it."""
         tensor_parallel = mesh is not None and mesh.tensor.size > 1
-        if dummy:  # the whole model on the host first when only a slice of it is to reach the device
+        on_host_first = tensor_parallel or offload_resident is not None  # only part of the model reaches the device
+        if dummy:
             config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
-            transformer = random_model(QwenImageTransformer2DModel, config, dtype, "cpu" if tensor_parallel else device)
+            transformer = random_model(QwenImageTransformer2DModel, config, dtype, "cpu" if on_host_first else device)
         elif weights_file is not None:
             transformer_config = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
             summary = gguf.check(pathlib.Path(weights_file).expanduser(), transformer_config)
@@ -128,6 +135,7 @@ class DenoiseRunner(SteppingRunner):
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(model, subfolder="scheduler")
         if tensor_parallel:
             shard_transformer(transformer, mesh)
+        streamer = stream_blocks(transformer, offload_resident, device) if offload_resident is not None else None
         transformer = transformer.to(device)
         if quantization == "fp8":
             logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
@@ -135,7 +143,11 @@ class DenoiseRunner(SteppingRunner):
             compile_blocks(transformer)
         nets = {name: QwenImageControlNetModel.from_pretrained(path, torch_dtype=dtype).to(device)
                 for name, path in (controlnets or {}).items()}
-        return cls(transformer, scheduler_config, teacache_coefficients, max_loras, mesh, nets)
+        runner = cls(transformer, scheduler_config, teacache_coefficients, max_loras, mesh, nets)
+        runner.streamer = streamer
+        if streamer is not None:  # one forward a step, CFG's passes in it: each streamed block copied once
+            runner.step_overhead_s = streamer.bytes_per_pass / (offload_gbps * 1e9)
+        return runner
 
     def warm_up(self, height: int, width: int, text_tokens: int = 64) -> float:
         """Steps an image of this size alone, with true CFG, and with true CFG and a shorter negative prompt, so
@@ -393,10 +405,13 @@ class DenoiseRunner(SteppingRunner):
         it runs and its adapter adding to the layers it adapts), and each row's cache after the step."""
         embeds, mask = pad_text(texts)
         timestep = timesteps.to(latents.dtype) / 1000
-        return cached_forward(
+        prediction = cached_forward(
             self.transformer, latents, timestep, embeds, mask, img_shapes, caches, steps, self.teacache_coefficients,
             self.loras.rows(loras), sequence, control,
         )
+        if self.streamer is not None:
+            self.streamer.forward_ended()
+        return prediction
 
     def finish(self, state: DenoiseState) -> Latents:
         """The finished state's latents, moved to the CPU for the VAE stage."""
