@@ -85,6 +85,7 @@ bench: install
 	$(PY) -m benchmarks.dit_cache
 	$(PY) -m benchmarks.scale
 	$(PY) -m benchmarks.lora
+	$(PY) -m benchmarks.small_card
 
 # An offline install bundle for our GPU machine (CPython 3.12, glibc 2.28 or newer) in wheelhouse/, as parts of at
 # most 60 MiB; tools/wheelhouse.py explains it. HAVE=FILE: that machine's `pip list --format=freeze`, whose packages

@@ -390,8 +390,9 @@ class DiTConfig(_StageConfig):
         "... of Qwen-Image and its Edit releases; `python -m omni_ray.checkpoints.gguf` writes one from a "
         "checkpoint), in place of the checkpoint's transformer/ weights (its config still comes from there): each "
         "quantized Linear dequantizes its weight in `dtype` per forward, through diffusers' GGUF support. Checked at "
-        "the DiT's start: not a GGUF file, cut short, another model's, or a quant type diffusers cannot read is an "
-        "error naming this field. Not with `quantization: fp8`, tensor parallelism or `weights: dummy`.",
+        "the DiT's start: no such file, not a GGUF file, cut short, another model's, or a quant type diffusers cannot "
+        "read is an error naming this field. The placement check counts the published file's size for the quant "
+        "type its name carries (Q4_K_M, ...), or the file's own size. Not with `quantization: fp8`, tensor parallelism or `weights: dummy`.",
     )
 
     @model_validator(mode="after")
@@ -405,15 +406,8 @@ class DiTConfig(_StageConfig):
 
     @model_validator(mode="after")
     def _check_weights_file(self) -> DiTConfig:
-        if self.weights_file is None:
+        if self.weights_file is None:  # the file itself is read where the DiT starts (runners.gguf_weights.check)
             return self
-        path = pathlib.Path(self.weights_file).expanduser()
-        if not path.is_file():
-            raise ValueError(f"weights_file: {self.weights_file} is not a file")
-        with path.open("rb") as file:
-            if file.read(4) != b"GGUF":
-                raise ValueError(f"weights_file: {self.weights_file} is not a GGUF file (it does not start with "
-                                 "'GGUF')")
         if self.quantization != "none":
             raise ValueError("weights_file: a GGUF file is quantized already; leave quantization at none")
         if self.parallel.tensor > 1:

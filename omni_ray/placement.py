@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from omni_ray import qwen_image21
 from omni_ray.qwen_image import (
     FP8_PARAMS,
+    GGUF_BYTES,
+    NUM_BLOCKS,
     PUBLISHED_PARAMS,
     TENSOR_SHARDED_PARAMS,
     VISION_PARAMS,
@@ -66,6 +68,7 @@ CONTEXT_GIB = 1.0
 DIT_GIB_PER_REQUEST_1328 = 1.2  # measured: peak at b=8 minus b=1, over 7, on an H100 (gpu.json)
 VAE_GIB_PER_MEGAPIXEL = 4.0  # measured: 7.0 GiB to decode one 1328x1328 image
 ENCODER_ACTIVATIONS_GIB = 2.0
+VAE_TILING_SAVES = 3.0  # vae.tiling decodes in bands: about a third of the activations (its field's description)
 # Qwen-Image 2.1's, scaled from the measured figures above (the module's docstring says how), not measured.
 DIT_GIB_PER_TOKEN_1328 = DIT_GIB_PER_REQUEST_1328 / (2 * (image_tokens(1328, 1328) + 64))  # gpu.json: 64 text tokens
 DIT21_GIB_PER_TOKEN = 1.5 * DIT_GIB_PER_TOKEN_1328
@@ -106,20 +109,31 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
             detail = f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
         elif name == "dit":
             parallel = stage.parallel
-            weights = dit_weight_bytes(width, parallel.tensor, stage.quantization == "fp8") / GIB
+            if stage.weights_file is not None:
+                weights = gguf_bytes(stage.weights_file) / GIB
+                kind = "GGUF"
+            else:
+                weights = dit_weight_bytes(width, parallel.tensor, stage.quantization == "fp8") / GIB
+                kind = f"{stage.dtype}{' and float8' if stage.quantization == 'fp8' else ''}"
+            streamed = ""
+            if stage.offload is not None:  # the kept blocks and the two passing through
+                on_card = min(NUM_BLOCKS, max(stage.offload.blocks_on_gpu, 1) + 2)
+                streamed = (f" ({on_card} of {NUM_BLOCKS} blocks on the card at once, {weights:.1f} GiB in all, the "
+                            "rest streamed from pinned host memory)")
+                weights *= on_card / NUM_BLOCKS
             rows = dit_rows_at(config, side)
             extra = rows * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2 / (parallel.cfg * parallel.sequence)
             if parallel.split != "sequence":  # whole passes, half a true-CFG request's activations each
                 extra = max(extra, dit_rank_passes_at(config, side) * DIT_GIB_PER_REQUEST_1328 * pixels / 1328**2 / 2)
-            fp8 = " and float8" if stage.quantization == "fp8" else ""
             gang = f", per rank of a gang of {parallel.world_size}" if parallel.world_size > 1 else ""
-            detail = (f"{weights:.1f} GiB of {stage.dtype}{fp8} weights, {extra:.1f} GiB for "
+            detail = (f"{weights:.1f} GiB of {kind} weights{streamed}, {extra:.1f} GiB for "
                       f"{rows} request{'s' if rows != 1 else ''} at {side}x{side}{gang}")
         else:
             weights = PUBLISHED_PARAMS["vae"] * width / GIB
-            extra = stage.max_batch_size * VAE_GIB_PER_MEGAPIXEL * pixels / 1e6
+            extra = stage.max_batch_size * VAE_GIB_PER_MEGAPIXEL * pixels / 1e6 / (VAE_TILING_SAVES if stage.tiling
+                                                                                     else 1)
             detail = (f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB to decode "
-                      f"{stage.max_batch_size} images at {side}x{side}")
+                      f"{stage.max_batch_size} images at {side}x{side}{' in bands' if stage.tiling else ''}")
         need = weights + extra + CONTEXT_GIB
         out.append(StageMemory(name, round(need, 1), round(stage.deployment.num_gpus * gpu_memory_gib, 1), detail))
     return out
@@ -207,6 +221,23 @@ def dit21_request_cache_bytes(config, dtype_bytes: int = 2) -> int:
     block, for both CFG branches."""
     return qwen_image21.cache_bytes(dit21_condition_tokens(config), DIT21_LAYERS, DIT21_INNER_DIM, dtype_bytes,
                                     branches=2)
+
+
+def gguf_bytes(weights_file: str) -> float:
+    """The bytes of ``dit.weights_file``: the published file's for the quant type its name carries, else the file's
+    own size; ValueError naming the field when neither can be had."""
+    import pathlib
+    import re
+
+    name = pathlib.Path(weights_file).name.upper()
+    for kind in sorted(GGUF_BYTES, key=len, reverse=True):
+        if re.search(rf"(^|[^A-Z0-9]){kind}([^A-Z0-9]|$)", name):
+            return GGUF_BYTES[kind]
+    path = pathlib.Path(weights_file).expanduser()
+    if path.is_file():
+        return float(path.stat().st_size)
+    raise ValueError(f"dit.weights_file: {weights_file} is not here and its name carries no published quant type "
+                     f"({', '.join(GGUF_BYTES)}): the placement check cannot tell its size")
 
 
 def dit_weight_bytes(width: int, tensor: int = 1, fp8: bool = False) -> float:

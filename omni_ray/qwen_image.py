@@ -179,6 +179,10 @@ QWEN_IMAGE_TEACACHE = (-4.5e2, 2.8e2, -4.5e1, 3.2, -2e-2)
 # text encoder, vision tower included).
 PUBLISHED_PARAMS = {"transformer": 20_430_401_088, "vae": 126_892_531, "text_encoder": 8_292_166_656}
 VISION_PARAMS = 676_550_144  # Qwen2.5-VL-7B's vision tower, inside PUBLISHED_PARAMS["text_encoder"]
+NUM_BLOCKS = 60  # the transformer's
+# The published GGUF files of the transformer, bytes by quant type (QuantStack's Qwen-Image, Qwen-Image-2512 and Edit
+# files; the same for each release): what the placement check counts for a dit.weights_file named so.
+GGUF_BYTES = {"Q8_0": 21.8e9, "Q6_K": 16.8e9, "Q5_K_M": 14.9e9, "Q4_K_M": 13.1e9, "Q4_K_S": 12.1e9, "Q3_K_M": 9.7e9}
 # Of the transformer's: the weights of the Linears diffusers' _tp_plan shards (attention and MLPs; the modulation
 # Linears, 6.8 B, stay whole on every tensor rank), and those dit.quantization fp8 stores in float8 (all of them
 # sharded Linears: the blocks' less the image MLP's output and the modulation). tests/test_full_size.py counts both.

@@ -35,6 +35,8 @@ def check(path: str | pathlib.Path, transformer_config: dict, setting: str = SET
     from diffusers.quantizers.gguf.utils import KQUANT_TYPES, STANDARD_QUANT_TYPES, UNQUANTIZED_TYPES
 
     path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"{setting}: {path} is not a file")
     with path.open("rb") as file:
         if file.read(4) != b"GGUF":
             raise ValueError(f"{setting}: {path} is not a GGUF file (it does not start with 'GGUF')")
