@@ -147,12 +147,14 @@ class DiT(StageDeployment):
         """The engine's counters, its steps by how many requests each advanced (the step-level batching), the
         request-steps that admitted requests sat out, paused, the seconds compiling took at start (``compile``),
         the adapters it holds, the work a step may take (``max_batch_tokens``), the requests admitted here whose
-        calls have not arrived (``reservations``), and Qwen-Image 2.1's condition caches (``condition_cache``: the
-        bytes held, the budget, the requests waiting for room; None for Qwen-Image)."""
+        calls have not arrived (``reservations``), Qwen-Image 2.1's condition caches (``condition_cache``: the
+        bytes held, the budget, the requests waiting for room; None for Qwen-Image), and a streamed DiT's blocks
+        (``offload``: kept, the most on the device at once, copies in, bytes a forward copies; None unstreamed)."""
         core = self.engine.stats.core
         cache = core.condition_cache
         return {**super().stats(), "batch_sizes": core.batch_sizes, "warmup_s": core.warmup_s,
                 "paused_request_steps": core.paused_request_steps,
                 "loras": [name for name, _ in self.loras.resident], "lora_loads": self.loras.num_loads,
                 "max_batch_tokens": self.max_batch_tokens, "reservations": len(self.load.reserved),
-                "condition_cache": dataclasses.asdict(cache) if cache is not None else None}
+                "condition_cache": dataclasses.asdict(cache) if cache is not None else None,
+                "offload": core.offload}

@@ -94,8 +94,12 @@ class DiTEngineCore(EngineCore):
 
     def stats(self) -> DiTStats:
         scheduler = self.scheduler
+        streamer = getattr(self.runner, "streamer", None)
+        offload = None if streamer is None else {"kept": streamer.resident, "peak": streamer.peak,
+                                                 "fetches": streamer.fetches, "bytes_per_pass": streamer.bytes_per_pass}
         return DiTStats(self.step_times.snapshot(), dict(scheduler.batch_sizes), scheduler.num_paused,
-                        scheduler.num_paused_steps, getattr(self.runner, "warmup_s", None), scheduler.cache_stats())
+                        scheduler.num_paused_steps, getattr(self.runner, "warmup_s", None), scheduler.cache_stats(),
+                        offload)
 
     @property
     def lora_shapes(self) -> dict[str, tuple[int, int]]:

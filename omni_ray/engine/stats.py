@@ -52,6 +52,7 @@ class DiTStats:
     paused_request_steps: int  # request-steps admitted requests sat out
     warmup_s: float | None  # seconds compiling took at start (dit.compile), None without
     condition_cache: ConditionCacheStats | None = None  # Qwen-Image 2.1's; None when not counted (Qwen-Image)
+    offload: dict | None = None  # dit.offload's streamer: blocks kept, peak on the device, fetches; None without
 
 
 @dataclass(frozen=True, slots=True)
