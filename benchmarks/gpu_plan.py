@@ -1,4 +1,4 @@
-"""The GPU plan: four self-contained commands for a lent H100 or H200, each under 9 minutes, each writing its JSON as
+"""The GPU plan: five self-contained commands for a lent H100 or H200, each under 9 minutes, each writing its JSON as
 each phase ends, so that a command cut short still returns what it measured.
 
 On the GPU machine, through the device tool, from the repository root, with the wheels of ``make gpu-wheels``
@@ -13,6 +13,10 @@ carried (``.whl/profile`` for the first command, ``.whl/serve`` for the others; 
                                              #     pipeline  -> gpu_serve.json app.log
     bash benchmarks/gpu_plan.sh reliability  # (c) 200 mixed requests, the DiT replica killed once: lost requests,
                                              #     GPU memory against its baseline  -> gpu_reliability.json app.log
+    bash benchmarks/gpu_plan.sh small_card   # (e) the one-card presets' DiT from a random Q4_0 GGUF file at full size
+                                             #     and their banded VAE, on the GPU capped to 24 and 16 GiB: s per
+                                             #     image-step at batch 1 and 4 against every block on the card, peak
+                                             #     memory  -> gpu_small_card.json
     bash benchmarks/gpu_plan.sh qwen21       # (d) Qwen-Image 2.1's dummy preset: served latency at 1024x1024 (a
                                              #     generation and an edit), then in process its DiT's first step
                                              #     (which fills the condition cache) against the later ones (which
@@ -48,6 +52,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -60,6 +65,7 @@ SERVE_CONFIG = REPO / "config.yaml"
 PACKAGES = ("torch", "transformers", "diffusers", "ray", "pydantic", "fastapi", "torchao", "numpy", "safetensors")
 # What each command imports of the carried wheels (tools/gpu_wheels/): checked first, so a missing one is named.
 PROFILE_MODULES = ("diffusers", "pydantic", "matplotlib")
+SMALL_CARD_MODULES = ("diffusers", "pydantic", "gguf")
 SERVED_MODULES = ("ray.serve", "fastapi", "starlette", "uvicorn", "pydantic", "python_multipart", "diffusers",
                   "opentelemetry.sdk", "psutil", "yaml")
 VARIANTS = ("diffusers", "eager", "compiled", "fp8")  # benchmarks.gpu.VARIANTS, without importing torch here
@@ -694,13 +700,133 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def small_card(record: Record, args) -> None:
+    """(e): the one-card layout's DiT and VAE in this process on a GPU capped, as a 24 and a 16 GB card
+    (``torch.cuda.set_per_process_memory_fraction``), at Qwen-Image's full size with random Q4_0 weights in the GGUF
+    layout (``checkpoints.gguf.write_random``): each card's preset's blocks kept (all on 24 GiB, 36 on 16), seconds
+    per step at 1024x1024 with true CFG for one image and four, the same steps with every block on an uncapped card
+    (its compute alone, against which the streamed step's overlap reads), peak memory; the VAE's banded decode at
+    1664x1664 under the card's VAE share."""
+    from omni_ray.checkpoints import gguf as gguf_file
+
+    record.phase("environment", lambda: environment(SMALL_CARD_MODULES), required=True)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="omni-ray-small-card-"))  # 11 GB at full size: not under $OUT
+    if args.dry_run:
+        checkpoint, side, vae_side, batches = _tiny_checkpoint(), 64, 128, (1, 2)
+        cards = {"24gib": (None, 2), "16gib": (None, 1)}  # the tiny model's two blocks: all kept, or one
+    else:
+        from omni_ray.checkpoints.dummy import write_dummy_checkpoint
+
+        checkpoint, side, vae_side, batches = str(write_dummy_checkpoint(folder / "qwen-image-dummy")), 1024, 1664, (1, 4)
+        cards = {"24gib": (24, 60), "16gib": (16, 36)}  # qwen_image_24gb_card.yaml's and qwen_image_16gb_card.yaml's
+    try:
+        _small_card_phases(record, gguf_file, checkpoint, folder, side, vae_side, batches, cards, args.dry_run)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _small_card_phases(record, gguf_file, checkpoint, folder, side, vae_side, batches, cards, dry_run) -> None:
+    weights = record.phase("weights", lambda: _random_gguf(gguf_file, checkpoint, folder), required=True)
+    record.phase("dit_uncapped", lambda: _dit_steps(checkpoint, weights["file"], None, None, side, batches),
+                 needs_s=90)
+    for name, (cap_gib, kept) in cards.items():
+        record.phase(f"dit_{name}", lambda c=cap_gib, k=kept: _dit_steps(checkpoint, weights["file"], c, k, side,
+                                                                          batches), needs_s=90)
+    record.phase("vae_banded", lambda: _vae_banded(checkpoint, None if dry_run else 7.2, vae_side), needs_s=30)
+
+
+def _tiny_checkpoint() -> str:
+    from omni_ray import checkpoints
+    from omni_ray.config import load_config
+
+    return checkpoints.ensure(load_config(PRESETS / "qwen_image_tiny.yaml")).model
+
+
+def _random_gguf(gguf_file, checkpoint, folder: pathlib.Path) -> dict:
+    start = time.monotonic()
+    path = gguf_file.write_random(checkpoint, folder / "qwen-image-random-Q4_0.gguf")
+    return {"file": str(path), "bytes": path.stat().st_size, "write_s": round(time.monotonic() - start, 1)}
+
+
+def _capped(cap_gib: float | None) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if cap_gib is None else cap_gib * 2**30 / total)
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _dit_steps(checkpoint: str, weights_file: str, cap_gib: float | None, kept: int | None, side: int,
+               batches: tuple[int, ...], repeats: int = 2) -> dict:
+    """Seconds per step of ``batches`` true-CFG images of ``side``, the DiT from the GGUF file with ``kept`` blocks
+    on the card (None: all) under a cap of ``cap_gib``; peak memory; the streamer's copies."""
+    import torch
+
+    from benchmarks.gpu import timed
+    from omni_ray.qwen_image import NUM_BLOCKS
+    from omni_ray.records import DenoiseParams, PromptEmbeds
+    from omni_ray.runners.denoise import DenoiseRunner
+
+    _capped(cap_gib)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    start = time.monotonic()
+    runner = DenoiseRunner.load(checkpoint, dtype, device, weights_file=weights_file,
+                                offload_resident=kept if kept is not None and kept < NUM_BLOCKS else None)
+    loaded_s = time.monotonic() - start
+    dim = runner.transformer.config.joint_attention_dim
+    generator = torch.Generator().manual_seed(0)
+    rows = {}
+    try:
+        for batch in batches:
+            states = [runner.prepare(DenoiseParams(side, side, 1000, seed=i, true_cfg_scale=4.0, true_cfg=True),
+                                     PromptEmbeds(torch.randn(64, dim, generator=generator)),
+                                     PromptEmbeds(torch.randn(64, dim, generator=generator))) for i in range(batch)]
+            seconds = timed(lambda: runner.step(states), repeats)
+            rows[batch] = {"step_s": round(seconds, 3), "s_per_image_step": round(seconds / batch, 3)}
+        streamer = runner.streamer
+        return {"cap_gib": cap_gib, "kept": kept, "side": side, "load_s": round(loaded_s, 1), "batches": rows,
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+                "streamed_bytes_per_step": streamer.bytes_per_pass if streamer else 0,
+                "fetches": streamer.fetches if streamer else 0}
+    finally:
+        del runner
+        _free_gpu()
+
+
+def _vae_banded(checkpoint: str, cap_gib: float | None, side: int) -> dict:
+    """The VAE's banded decode of one ``side`` x ``side`` image under ``cap_gib``: seconds and peak memory."""
+    import torch
+
+    from benchmarks.gpu import timed
+    from omni_ray.records import Latents
+    from omni_ray.runners.vae import VaeRunner
+
+    _capped(cap_gib)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    vae = VaeRunner.load(checkpoint, dtype, device, dummy=True, tiling=True)
+    latents = Latents(torch.randn((side // 16) ** 2, 64, generator=torch.Generator().manual_seed(0)), side, side)
+    try:
+        seconds = timed(lambda: vae.decode([latents]), 1)
+        return {"cap_gib": cap_gib, "side": side, "decode_s": round(seconds, 3),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
+    finally:
+        del vae
+        _free_gpu()
+
+
 COMMANDS = {"profile": (profile, "gpu_profile.json"), "serve": (serve, "gpu_serve.json"),
-            "reliability": (reliability, "gpu_reliability.json"), "qwen21": (qwen21, "gpu_qwen21.json")}
+            "reliability": (reliability, "gpu_reliability.json"), "qwen21": (qwen21, "gpu_qwen21.json"),
+            "small_card": (small_card, "gpu_small_card.json")}
 # Every file a command promises under --out (beside its log, which gpu_plan.sh writes): the rehearsal checks them.
 PROMISES = {"profile": ("gpu_profile.json", "have.txt", "gpu.json", "gpu.png"),
             "serve": ("gpu_serve.json", "app.log"),
             "reliability": ("gpu_reliability.json", "app.log"),
-            "qwen21": ("gpu_qwen21.json", "app.log")}
+            "qwen21": ("gpu_qwen21.json", "app.log"),
+            "small_card": ("gpu_small_card.json",)}
 
 
 def main(argv: list[str] | None = None) -> int:

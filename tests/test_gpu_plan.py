@@ -53,6 +53,21 @@ def test_the_profile_command_writes_the_machine_and_every_variant(tmp_path):
     assert record["dit_and_vae"] == {"file": "gpu.json", "skipped": [], "fp8_skipped": report["fp8_skipped"]}
 
 
+def test_the_small_card_command_measures_each_card_s_dit_and_the_banded_vae(tmp_path):
+    """The one-card layout in process: a random Q4_0 GGUF file in the published layout, the DiT unstreamed and as
+    each card's preset keeps its blocks (the tiny model's two: both, or one and one streamed), the banded decode."""
+    record = rehearsed("small_card", tmp_path, ["environment", "weights", "dit_uncapped", "dit_24gib", "dit_16gib",
+                                                 "vae_banded"])
+    assert record["weights"]["bytes"] > 0
+    for phase in ("dit_uncapped", "dit_24gib", "dit_16gib"):
+        assert set(record[phase]["batches"]) == {"1", "2"} and all(
+            row["step_s"] > 0 for row in record[phase]["batches"].values()), phase
+    assert record["dit_uncapped"]["fetches"] == record["dit_24gib"]["fetches"] == 0
+    streamed = record["dit_16gib"]
+    assert streamed["kept"] == 1 and streamed["fetches"] > 0 and streamed["streamed_bytes_per_step"] > 0
+    assert record["vae_banded"]["decode_s"] > 0
+
+
 def test_a_command_cut_by_its_limit_names_the_phase_and_keeps_those_before_it(tmp_path):
     result = run_plan("profile", tmp_path, "--limit-s", "6")
     assert result.returncode == 124  # as the device tool's time limit ends a command

@@ -48,6 +48,40 @@ def write(checkpoint: str | pathlib.Path, out: str | pathlib.Path, quant_type: s
     return out
 
 
+def write_random(checkpoint: str | pathlib.Path, out: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A Q4_0 GGUF file of ``checkpoint``'s transformer config with random weights, written as fast as the disk
+    takes it (no quantizing: each block's bytes drawn at random under one small scale), in the published files'
+    layout: for timing and memory at full size (the GPU plan's ``small_card``), where no file can be downloaded. The
+    images are noise."""
+    import gguf
+    import numpy as np
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+
+    config = QwenImageTransformer2DModel.load_config(checkpoint, subfolder="transformer")
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in QwenImageTransformer2DModel.from_config(config).state_dict().items()}
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_0]  # 32 weights in 18 bytes
+    scale = np.frombuffer(np.float16(0.02 / 8).tobytes(), np.uint8)  # |w| up to 0.02
+    writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_file_type(gguf.GGMLQuantizationType.Q4_0)
+    for name, shape in shapes.items():
+        if len(shape) < 2 or name.startswith(FULL_PRECISION) or shape[-1] % block:
+            writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        rows = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+        rows[:, :, :2] = scale
+        writer.add_tensor(name, rows.reshape(shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    out = pathlib.Path(out)
+    writer.write_header_to_file(path=out)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint in diffusers' layout (its transformer/)")
