@@ -784,7 +784,7 @@ def _dit_steps(checkpoint: str, weights_file: str, cap_gib: float | None, kept: 
             states = [runner.prepare(DenoiseParams(side, side, 1000, seed=i, true_cfg_scale=4.0, true_cfg=True),
                                      PromptEmbeds(torch.randn(64, dim, generator=generator)),
                                      PromptEmbeds(torch.randn(64, dim, generator=generator))) for i in range(batch)]
-            seconds = timed(lambda: runner.step(states), repeats)
+            seconds = timed(lambda states=states: runner.step(states), repeats)
             rows[batch] = {"step_s": round(seconds, 3), "s_per_image_step": round(seconds / batch, 3)}
         streamer = runner.streamer
         return {"cap_gib": cap_gib, "kept": kept, "side": side, "load_s": round(loaded_s, 1), "batches": rows,
@@ -792,7 +792,7 @@ def _dit_steps(checkpoint: str, weights_file: str, cap_gib: float | None, kept: 
                 "streamed_bytes_per_step": streamer.bytes_per_pass if streamer else 0,
                 "fetches": streamer.fetches if streamer else 0}
     finally:
-        del runner
+        runner = None  # its weights go back to the GPU before the next phase
         _free_gpu()
 
 
@@ -814,7 +814,7 @@ def _vae_banded(checkpoint: str, cap_gib: float | None, side: int) -> dict:
         return {"cap_gib": cap_gib, "side": side, "decode_s": round(seconds, 3),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
     finally:
-        del vae
+        vae = None
         _free_gpu()
 
 
