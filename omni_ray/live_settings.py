@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError
 
-from omni_ray.config import DiTConfig, EncoderConfig, PipelineConfig, VAEConfig
+from omni_ray.config import DiTConfig, PipelineConfig
 from omni_ray.quotas import QuotaSettings
 
 ARGS = "change it through the app's args.overrides instead (every replica replaced)"
@@ -32,6 +32,7 @@ class LiveSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     deployment: ClassVar[str]  # its name in the Serve config
     section: ClassVar[str | None] = None  # the preset's section the settings lie over (None: none)
+    lowered_only: ClassVar[tuple[str, ...]] = ()  # limits the replica was sized for at start: never raised live
 
     @classmethod
     def start(cls, config: PipelineConfig) -> Any:
@@ -59,7 +60,15 @@ class LiveSettings(BaseModel):
         return settings
 
     def check(self, start: Any) -> None:
-        """Raises LiveSettingsError (or ValueError) where a value does not fit what the deployment started with."""
+        """Raises LiveSettingsError where a value does not fit what the deployment started with: a limit of
+        ``lowered_only`` above the preset's."""
+        for key in self.lowered_only:
+            value, preset = getattr(self, key), getattr(start, key)
+            if value is not None and preset is not None and value > preset:
+                raise LiveSettingsError(
+                    f"{self.deployment}: user_config {key} {value} is above the preset's {self.section}.{key} "
+                    f"({preset}), which the replicas were sized for at start: it may only be lowered live; to raise "
+                    f"it, {ARGS}")
 
     @classmethod
     def _keys(cls) -> str:
@@ -76,18 +85,12 @@ def _error(deployment: str, err: ValidationError) -> LiveSettingsError:
     return LiveSettingsError(f"{deployment}: user_config {where}{': ' if where else ''}{first['msg']}")
 
 
-def _not_raised(deployment: str, key: str, value: int, start: int | None, section: str) -> None:
-    if start is not None and value > start:
-        raise LiveSettingsError(f"{deployment}: user_config {key} {value} is above the preset's {section}.{key} "
-                                f"({start}), which the replicas were sized for at start: it may only be lowered "
-                                f"live; to raise it, {ARGS}")
-
-
 class DiTLive(LiveSettings):
     """The DiT's step limits and scheduling knobs, applied between two steps."""
 
     deployment: ClassVar[str] = "DiT"
     section: ClassVar[str] = "dit"
+    lowered_only: ClassVar[tuple[str, ...]] = ("max_batch_size", "max_batch_tokens")
     max_batch_size: PositiveInt | None = Field(None, description="dit.max_batch_size, at most the preset's.")
     max_batch_tokens: PositiveInt | None = Field(None, description="dit.max_batch_tokens, at most the preset's.")
     max_wait_steps: PositiveInt | None = Field(None, description="dit.max_wait_steps.")
@@ -99,10 +102,7 @@ class DiTLive(LiveSettings):
 
     def applied_to(self, start: DiTConfig) -> DiTConfig:
         """The DiT section the replica runs on: the preset's with these laid over, checked as a preset is."""
-        if self.max_batch_size is not None:
-            _not_raised(self.deployment, "max_batch_size", self.max_batch_size, start.max_batch_size, "dit")
-        if self.max_batch_tokens is not None:
-            _not_raised(self.deployment, "max_batch_tokens", self.max_batch_tokens, start.max_batch_tokens, "dit")
+        super().check(start)
         fields = self.set_fields()
         if start.scheduling == "fifo" and set(fields) & {"max_batch_tokens", "max_paused", "priority_aging_s"}:
             raise LiveSettingsError(f"{self.deployment}: user_config {sorted(set(fields) - {'max_batch_size'})} "
@@ -116,23 +116,17 @@ class DiTLive(LiveSettings):
 class VAELive(LiveSettings):
     deployment: ClassVar[str] = "VAE"
     section: ClassVar[str] = "vae"
+    lowered_only: ClassVar[tuple[str, ...]] = ("max_batch_size",)
     max_batch_size: PositiveInt | None = Field(None, description="vae.max_batch_size (frames a call decodes), at "
                                                "most the preset's.")
-
-    def check(self, start: VAEConfig) -> None:
-        if self.max_batch_size is not None:
-            _not_raised(self.deployment, "max_batch_size", self.max_batch_size, start.max_batch_size, "vae")
 
 
 class EncoderLive(LiveSettings):
     deployment: ClassVar[str] = "Encoder"
     section: ClassVar[str] = "encoder"
+    lowered_only: ClassVar[tuple[str, ...]] = ("max_num_seqs",)
     max_num_seqs: PositiveInt | None = Field(None, description="encoder.max_num_seqs (prompts vLLM runs at once), "
                                              "at most the preset's.")
-
-    def check(self, start: EncoderConfig) -> None:
-        if self.max_num_seqs is not None:
-            _not_raised(self.deployment, "max_num_seqs", self.max_num_seqs, start.max_num_seqs, "encoder")
 
 
 class CoordinatorLive(LiveSettings):

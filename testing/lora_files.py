@@ -55,3 +55,10 @@ def to_kohya(adapter: str | pathlib.Path, out: str | pathlib.Path, alpha: float)
     out.mkdir(parents=True, exist_ok=True)
     save_file(converted, out / "pytorch_lora_weights.safetensors")
     return out
+
+
+def two_adapters(checkpoint, root: pathlib.Path) -> dict[str, str]:
+    """Two adapters of ``checkpoint``'s transformer under ``root``, by name, of different ranks: A (rank 4, alpha 8)
+    and B (rank 8)."""
+    return {"A": str(make_adapter(checkpoint, root / "A", rank=4, alpha=8, seed=1)),
+            "B": str(make_adapter(checkpoint, root / "B", rank=8, seed=2))}

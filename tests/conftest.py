@@ -60,11 +60,9 @@ def tiny21_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def tiny_adapters(tiny_dir, tmp_path_factory) -> dict[str, str]:
     """Two LoRA adapters of the tiny checkpoint, by name, of different ranks (the parallel tests)."""
-    from testing.lora_files import make_adapter
+    from testing.lora_files import two_adapters
 
-    root = tmp_path_factory.mktemp("adapters")
-    return {"A": str(make_adapter(tiny_dir, root / "A", rank=4, alpha=8, seed=1)),
-            "B": str(make_adapter(tiny_dir, root / "B", rank=8, seed=2))}
+    return two_adapters(tiny_dir, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")

@@ -37,11 +37,9 @@ def small_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_adapters_small(small_dir, tmp_path_factory) -> dict[str, str]:
-    from testing.lora_files import make_adapter
+    from testing.lora_files import two_adapters
 
-    root = tmp_path_factory.mktemp("small-adapters")
-    return {"A": str(make_adapter(small_dir, root / "A", rank=4, alpha=8, seed=1)),
-            "B": str(make_adapter(small_dir, root / "B", rank=8, seed=2))}
+    return two_adapters(small_dir, tmp_path_factory.mktemp("small-adapters"))
 
 
 @pytest.fixture(scope="module")

@@ -32,20 +32,13 @@ def write(checkpoint: str | pathlib.Path, out: str | pathlib.Path, quant_type: s
     state = {}
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(path))
-    writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_file_type(qtype)
+    writer = _writer(qtype)
     for name, tensor in state.items():
         data = tensor.float().numpy()
         kept = data.ndim < 2 or name.startswith(FULL_PRECISION)
         kind = gguf.GGMLQuantizationType.F32 if kept else qtype
         writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-    out = pathlib.Path(out)
-    writer.write_header_to_file(path=out)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    return _close(writer, out)
 
 
 def write_random(checkpoint: str | pathlib.Path, out: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
@@ -64,9 +57,7 @@ def write_random(checkpoint: str | pathlib.Path, out: str | pathlib.Path, seed: 
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_0]  # 32 weights in 18 bytes
     scale = np.frombuffer(np.float16(0.02 / 8).tobytes(), np.uint8)  # |w| up to 0.02
-    writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_file_type(gguf.GGMLQuantizationType.Q4_0)
+    writer = _writer(gguf.GGMLQuantizationType.Q4_0)
     for name, shape in shapes.items():
         if len(shape) < 2 or name.startswith(FULL_PRECISION) or shape[-1] % block:
             writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
@@ -74,6 +65,20 @@ def write_random(checkpoint: str | pathlib.Path, out: str | pathlib.Path, seed: 
         rows = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
         rows[:, :, :2] = scale
         writer.add_tensor(name, rows.reshape(shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    return _close(writer, out)
+
+
+def _writer(file_type):
+    """A writer of the published files' header: the architecture, the quantization version, the file's type."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_file_type(file_type)
+    return writer
+
+
+def _close(writer, out: str | pathlib.Path) -> pathlib.Path:
     out = pathlib.Path(out)
     writer.write_header_to_file(path=out)
     writer.write_kv_data_to_file()
