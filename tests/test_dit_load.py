@@ -24,6 +24,29 @@ def test_step_times_learn_the_overhead_and_the_cost_per_token_from_the_steps_run
     assert one_size.fit == (0.0, 0.001)  # one size seen: proportional
 
 
+def test_a_replica_s_first_step_is_left_out_of_its_step_times():
+    """The first step a DiT core runs pays one-time costs: counted, it made a new replica's estimates refuse
+    requests (503) while it was the only step seen."""
+    from omni_ray.engine.core import DiTEngineCore
+    from omni_ray.engine.output import EngineCoreOutput
+
+    clock = SimpleNamespace(now=0.0, durations=iter([20.0, 0.2, 0.4]))
+    scheduler = SimpleNamespace(has_requests=lambda: True, last_step_tokens=1000,
+                                schedule=lambda: SimpleNamespace(request_ids=["r"]),
+                                update_from_output=lambda *_: [EngineCoreOutput("r", None, None)])
+
+    def execute_model(_):
+        clock.now += next(clock.durations)
+
+    core = DiTEngineCore(scheduler, SimpleNamespace(execute_model=execute_model), clock=lambda: clock.now)
+    core.step()
+    assert core.step_times.num_steps == 0  # the 20 s cold step
+    core.step()
+    scheduler.last_step_tokens = 2000
+    core.step()
+    assert core.step_times.fit == pytest.approx((0.0, 2e-4))
+
+
 def test_work_counts_remaining_steps_at_the_depth_each_key_batches_and_estimates_by_priority():
     times = StepTimes()
     times.observe(1000, 0.1 + 1e-4 * 1000)

@@ -84,11 +84,14 @@ class DiTEngineCore(EngineCore):
         super().__init__(scheduler, runner)
         self.step_times = StepTimes(overhead_s=getattr(runner, "step_overhead_s", 0.0))
         self.clock = clock
+        self.cold = True  # no step has run: the first pays one-time costs (memory first touched, kernels picked)
 
     def step(self) -> list[EngineCoreOutput]:
         started = self.clock()
         outputs = super().step()
-        if outputs:
+        if outputs and self.cold:  # left out of the fit: estimates from a cold step refused requests at a new
+            self.cold = False  # replica (503s right after a redeploy, under load)
+        elif outputs:
             self.step_times.observe(self.scheduler.last_step_tokens, self.clock() - started)
         return outputs
 
