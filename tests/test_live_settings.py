@@ -84,21 +84,26 @@ def test_the_coordinator_s_quotas_are_checked_as_the_environment_s_are():
 
 
 def test_a_lower_step_batch_takes_effect_between_two_steps_of_a_running_engine(config):
-    """Six requests in a DiT engine of max_batch_size 8 and a 4096-token budget; after the first step (all six in it)
-    the live settings lower the batch to two: every later step runs two at most, and all six finish."""
+    """Six requests in a DiT engine of max_batch_size 8 and a 4096-token budget; once it has stepped all six
+    together, the live settings lower the batch to two: every step after the change runs two at most, and all six
+    finish."""
     live = DiTLive.parse({"max_batch_size": 2}, config.dit)
     dit = live.applied_to(config.dit)
     embeds = PromptEncoder(config.model).encode(["a red cat"])[0]
-    requests = [DenoiseRequest(f"r{i}", DenoiseParams(64, 64, 4, seed=i), embeds) for i in range(6)]
-    sizes = []
-    engine = AsyncEngine(lambda: build_dit_core(config), "dit", on_step=lambda _, batch: sizes.append(batch)).start()
+    requests = [DenoiseRequest(f"r{i}", DenoiseParams(64, 64, 20, seed=i), embeds) for i in range(6)]
+    steps = []  # each step's rows, and "changed" where the change took effect, on the engine's thread
+    engine = AsyncEngine(lambda: build_dit_core(config), "dit", on_step=lambda _, batch: steps.append(batch)).start()
+
+    def change(core):
+        core.set_limits(max_batch_size=dit.max_batch_size, max_wait_steps=dit.max_wait_steps,
+                        policy=create_policy(dit))
+        steps.append("changed")
 
     async def run():
         tasks = [asyncio.create_task(engine.generate(request)) for request in requests]
-        while not sizes:
+        while not steps:
             await asyncio.sleep(0.01)
-        engine.submit(lambda core: core.set_limits(max_batch_size=dit.max_batch_size,
-                                                   max_wait_steps=dit.max_wait_steps, policy=create_policy(dit)))
+        engine.submit(change)
         return await asyncio.gather(*tasks)
 
     try:
@@ -106,7 +111,9 @@ def test_a_lower_step_batch_takes_effect_between_two_steps_of_a_running_engine(c
     finally:
         engine.shutdown()
     assert len(results) == 6 and all(result.latents.shape == (16, 64) for result in results)
-    assert sizes[0] == 6 and max(sizes[2:]) == 2, sizes  # the step after the change may have been planned before it
+    changed = steps.index("changed")
+    before, after = steps[:changed], steps[changed + 1:]
+    assert before and max(before) > 2 and after and max(after) == 2, steps  # more than two rows before, two after
 
 
 class Stage(LiveDeployment):
