@@ -49,9 +49,13 @@ def test_a_replica_s_first_step_is_left_out_of_its_step_times():
 
 def test_work_counts_remaining_steps_at_the_depth_each_key_batches_and_estimates_by_priority():
     times = StepTimes()
-    times.observe(1000, 0.1 + 1e-4 * 1000)
-    times.observe(3000, 0.1 + 1e-4 * 3000)
+    for tokens in (1000, 3000) * 3 + (1000,):
+        times.observe(tokens, 0.1 + 1e-4 * tokens)
     clock = SimpleNamespace(now=0.0)
+    early = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000, clock=lambda: clock.now)
+    early.add("batch", priority=1, tokens=8000, steps=50)
+    assert early.estimate(priority=1, tokens=2000, steps=20) == 0  # 7 steps: too few to refuse anyone on
+    times.observe(3000, 0.1 + 1e-4 * 3000)
     clock.monotonic = lambda: clock.now
     load = DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000, clock=clock.monotonic)
     assert load.row_seconds(2000) == pytest.approx(0.1 / 2 + 0.2)  # two rows of 2000 tokens fit a step

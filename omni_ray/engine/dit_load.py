@@ -52,6 +52,9 @@ class StepFit:
     slow: float = 1.0
 
 
+TRUSTED_AFTER_STEPS = 8  # steps in a replica's fit before its estimates may refuse a request (``DiTLoad.estimate``)
+
+
 class StepTimes:
     """An exponentially weighted least-squares fit of step seconds against step tokens; until steps of two sizes
     were seen it is proportional (no overhead). A step ten times slower than the fit predicts (the first step of a
@@ -218,8 +221,10 @@ class DiTLoad:
                  deadline_s: float | None = None, key: tuple | None = None) -> float:
         """Seconds until a new request's ``images`` would be done here, the work that will go ahead of it included
         (the module's docstring says which); ``deadline_s`` bounds how far less urgent work may age; ``key``: its
-        ``size_key``. 0 until the replica has run a step: it has nothing to learn from."""
-        if self.step_fit().num_steps == 0:
+        ``size_key``. 0 until the replica's fit holds ``TRUSTED_AFTER_STEPS`` steps: a new replica's first few steps
+        (its start's, under whatever else the machine ran meanwhile) would refuse requests on a line through one or
+        two points."""
+        if self.step_fit().num_steps < TRUSTED_AFTER_STEPS:
             return 0.0
         rank, own_tenant = self._rank(priority, tenant)
         own = steps * self.full_steps_seconds(tokens, passes, images)
