@@ -706,7 +706,8 @@ def small_card(record: Record, args) -> None:
     layout (``checkpoints.gguf.write_random``): each card's preset's blocks kept (all on 24 GiB, 36 on 16), seconds
     per step at 1024x1024 with true CFG for one image and four, the same steps with every block on an uncapped card
     (its compute alone, against which the streamed step's overlap reads), peak memory; the VAE's banded decode at
-    1664x1664 under the card's VAE share."""
+    1664x1664 under the card's VAE share; the encoder's weights leaving the card and coming back, as between its turns
+    on a shared card (``card``)."""
     from omni_ray.checkpoints import gguf as gguf_file
 
     record.phase("environment", lambda: environment(SMALL_CARD_MODULES), required=True)
@@ -717,7 +718,8 @@ def small_card(record: Record, args) -> None:
     else:
         from omni_ray.checkpoints.dummy import write_dummy_checkpoint
 
-        checkpoint, side, vae_side, batches = str(write_dummy_checkpoint(folder / "qwen-image-dummy")), 1024, 1664, (1, 4)
+        checkpoint = str(write_dummy_checkpoint(folder / "qwen-image-dummy"))
+        side, vae_side, batches = 1024, 1664, (1, 4)
         cards = {"24gib": (24, 60), "16gib": (16, 36)}  # qwen_image_24gb_card.yaml's and qwen_image_16gb_card.yaml's
     try:
         _small_card_phases(record, gguf_file, checkpoint, folder, side, vae_side, batches, cards, args.dry_run)
@@ -733,6 +735,7 @@ def _small_card_phases(record, gguf_file, checkpoint, folder, side, vae_side, ba
         record.phase(f"dit_{name}", lambda c=cap_gib, k=kept: _dit_steps(checkpoint, weights["file"], c, k, side,
                                                                           batches), needs_s=90)
     record.phase("vae_banded", lambda: _vae_banded(checkpoint, None if dry_run else 7.2, vae_side), needs_s=30)
+    record.phase("encoder_turns", lambda: _encoder_turns(checkpoint), needs_s=60)
 
 
 def _tiny_checkpoint() -> str:
@@ -815,6 +818,52 @@ def _vae_banded(checkpoint: str, cap_gib: float | None, side: int) -> dict:
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
     finally:
         vae = None
+        _free_gpu()
+
+
+def _encoder_turns(checkpoint: str, moves: int = 3) -> dict:
+    """The encoder's weights (Qwen2.5-VL with random weights, transformers, bf16) leaving the card and coming back
+    as between two turns on a shared card (``offload.ParkedWeights``): seconds each way, the GB/s, the memory this
+    process keeps on the card while they are away, and one forward after the last return equal to one before."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from omni_ray.runners.offload import ParkedWeights, device_bytes
+    from omni_ray.runners.random_weights import random_model
+
+    _capped(None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = Qwen2_5_VLConfig.from_pretrained(pathlib.Path(checkpoint) / "text_encoder")
+    model = random_model(Qwen2_5_VLForConditionalGeneration, config, dtype, device).eval()
+    ids = torch.arange(16, device=device)[None] % config.text_config.vocab_size
+    try:
+        with torch.no_grad():
+            before = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].float().cpu()
+        weights, parked = device_bytes([model]), ParkedWeights([model], device)
+        away_s, back_s, reserved_away = [], [], []
+        for _ in range(moves):
+            _synchronize()
+            start = time.monotonic()
+            parked.send_away()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            away_s.append(time.monotonic() - start)
+            reserved_away.append(torch.cuda.memory_reserved() if device == "cuda" else device_bytes([model]))
+            start = time.monotonic()
+            parked.bring()
+            _synchronize()
+            back_s.append(time.monotonic() - start)
+        with torch.no_grad():
+            after = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].float().cpu()
+        back = min(back_s)
+        return {"weights_bytes": weights, "weights_gib": round(weights / 2**30, 2),
+                "away_s": [round(t, 3) for t in away_s], "back_s": [round(t, 3) for t in back_s],
+                "back_gb_s": round(weights / back / 1e9, 1),
+                "kept_while_away_gib": round(max(reserved_away) / 2**30, 3),
+                "same_after": bool(torch.equal(before, after))}
+    finally:
+        model = None
         _free_gpu()
 
 

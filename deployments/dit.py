@@ -33,7 +33,7 @@ class DiT(StageDeployment):
     live_settings = DiTLive
 
     def __init__(self, config: PipelineConfig):
-        super().__init__(lambda: build_dit_core(config, self.gang_factory(config.dit)), config)
+        super().__init__(lambda: build_dit_core(config, self.gang_factory(config.dit), self.card), config)
         policy = create_policy(config.dit)  # what the scheduler's steps take: the load counts work the same way
         self.load = DiTLoad(lambda: self.engine.stats.core.step_fit, config.dit.max_batch_size,
                             policy.max_batch_tokens, policy.by_priority, create_split(config.dit),

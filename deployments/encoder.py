@@ -24,7 +24,7 @@ class Encoder(StageDeployment):
 
     def __init__(self, config: PipelineConfig):
         self._cache_counted = (0, 0)  # prompt-cache hits and misses already exported
-        super().__init__(lambda: build_encoder_core(config), config)
+        super().__init__(lambda: build_encoder_core(config, self.card), config)
 
     def _apply(self, live: EncoderLive) -> None:
         max_num_seqs = live.max_num_seqs or self.preset.max_num_seqs

@@ -19,8 +19,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import ray
 import torch  # noqa: F401  (imported before the first call: unpickling a tensor would import it on the event loop)
+from ray import serve
 
 from deployments import metrics
+from deployments.card import RayCard
 from deployments.gang import RayExecutor
 from deployments.live import LiveDeployment
 from deployments.process import freeze_startup_heap
@@ -50,6 +52,11 @@ class StageDeployment(LiveDeployment):
         if serve_tracing_enabled():
             tracing.enable()  # a span per engine request, for Ray Serve's exporter (omni_ray.tracing)
         self.gang: RayExecutor | None = None  # set while ``build_core`` starts one (``gang_factory``)
+        # the app's shared card, when this stage takes turns on one (``card.stages``), for ``build_core`` to use
+        self.card = (RayCard(serve.get_replica_context().app_name)
+                     if config.card is not None and self.stage in config.card.stages else None)
+        if self.card is not None:
+            self.card.register(self.stage)
         self.tags = {"stage": self.stage}
         self.last_step_at = 0.0  # monotonic
         self.engine = AsyncEngine(build_core, self.stage, on_step=self._record_step).start()
@@ -146,10 +153,12 @@ class StageDeployment(LiveDeployment):
 
     def stats(self) -> dict:
         """Counters of the engine: requests it took, aborted, still running; steps it ran; the Ray node the replica
-        runs on; and its live settings (``live_stats``)."""
+        runs on; its turns on a shared card (``RayCard.figures``; None off one); and its live settings
+        (``live_stats``)."""
         stats = self.engine.stats
         return {"node_id": ray.get_runtime_context().get_node_id(), "requests": stats.requests,
-                "aborted": stats.aborted, "running": stats.running, "steps": stats.steps, **self.live_stats()}
+                "aborted": stats.aborted, "running": stats.running, "steps": stats.steps,
+                "card": self.card.figures() if self.card is not None else None, **self.live_stats()}
 
     def __del__(self) -> None:
         # Serve calls this on graceful shutdown; it stops the loop and shuts the core down (vLLM's included, which

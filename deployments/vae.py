@@ -21,7 +21,7 @@ class VAE(StageDeployment):
     live_settings = VAELive
 
     def __init__(self, config: PipelineConfig):
-        super().__init__(lambda: build_vae_core(config, self.gang_factory(config.vae)), config)
+        super().__init__(lambda: build_vae_core(config, self.gang_factory(config.vae), self.card), config)
 
     def _apply(self, live: VAELive) -> None:
         max_batch_size = live.max_batch_size or self.preset.max_batch_size

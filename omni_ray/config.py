@@ -162,6 +162,21 @@ class EncoderConfig(_StageConfig):
         "long as the stage would take on a GPU (omni_ray.runners.gpu_costs).",
     )
 
+    quantization: Literal["none", "awq", "gptq"] = Field(
+        "none",
+        description="The text encoder's weights as the checkpoint's text_encoder/ holds them: awq or gptq, 4-bit "
+        "(Qwen/Qwen2.5-VL-7B-Instruct-AWQ, 6.9 GB against 16.6 in bf16, given by weights_dir or linked into a "
+        "checkpoint by `python -m omni_ray.checkpoints.awq CHECKPOINT OUT --text-encoder AWQ_DIR`), on vLLM's AWQ or "
+        "GPTQ kernels with "
+        "bfloat16 or float16 activations (runner: model). Checked against the checkpoint's config.json at start; "
+        "the placement check counts the quantized bytes.",
+    )
+    weights_dir: str | None = Field(
+        None,
+        description="A folder of the text encoder's weights and config in place of the checkpoint's text_encoder/ "
+        "(runner: model): a download of Qwen/Qwen2.5-VL-7B-Instruct-AWQ, say, with quantization: awq. The "
+        "tokenizer, processor and every other part still come from `model`.",
+    )
     max_num_seqs: PositiveInt = Field(8, description="Most prompts the encoder batches in one engine step.")
     max_model_len: PositiveInt = Field(
         TOKENIZER_MAX_LENGTH + TEXT_TO_IMAGE.drop,
@@ -294,12 +309,14 @@ class VaeParallelSettings(GangSettings):
 class OffloadSettings(_Frozen):
     """The DiT's blocks streamed through a card that cannot hold them all (omni_ray/runners/offload.py)."""
 
-    blocks_on_gpu: NonNegativeInt = Field(
+    blocks_on_gpu: NonNegativeInt | Literal["auto"] = Field(
         description="Transformer blocks kept on the device (of Qwen-Image's 60; the first always, as cache "
         "acceleration reads it before it runs); the others' weights stay in pinned host memory and are copied in "
         "one block ahead of the block computing, then dropped: at most max(blocks_on_gpu, 1) + 2 blocks' weights on "
         "the device at once. A step copies each streamed block once whatever its rows, so deep step batches pay for "
-        "it.",
+        "it. auto: as many as the placement check fits beside the largest step batch's activations (in the DiT's "
+        "share of the GPU, or on a shared card beside the other stages and the largest turn); needs "
+        "gpu_memory_gib.",
     )
     host_to_device_gbps: float = Field(
         25.0, gt=0, description="GB/s the host's copies to the device run at (25: PCIe 4.0 x16 in practice): a "
@@ -372,13 +389,15 @@ class DiTConfig(_StageConfig):
         "parallelism (docs/parallel.md). Above world size 1 each replica is a gang of that many Ray actors in the "
         "replica's placement group, one GPU each on GPU presets.",
     )
-    quantization: Literal["none", "fp8"] = Field(
+    quantization: Literal["none", "fp8", "int8"] = Field(
         "none",
-        description="fp8: torchao's dynamic float8 with per-row scales on the transformer blocks' Linears (weights "
-        "and activations in float8_e4m3, float32 accumulation), keeping the image MLP's output projection and the "
-        "modulation Linears in bfloat16 (omni_ray/runners/quantization.py). Needs a CUDA GPU of compute capability "
-        "8.9 or more (L4, L40S, H100, H200), dtype bfloat16 and torchao (`pip install -e .[fp8]`). Off by default: "
-        "its effect on image quality with real weights is not measured here.",
+        description="The checkpoint's weights quantized at load by torchao (omni_ray/runners/quantization.py). fp8: "
+        "dynamic float8 with per-row scales on the transformer blocks' Linears (weights and activations in "
+        "float8_e4m3, float32 accumulation), keeping the image MLP's output projection and the modulation Linears "
+        "in bfloat16; needs a CUDA GPU of compute capability 8.9 or more (L4, L40S, H100, H200) and dtype "
+        "bfloat16. int8: weight-only int8 with per-row scales on every block Linear (activations in dtype), on any "
+        "device: the blocks' weights in half their bf16 bytes. Not with tensor parallelism or offload. Off by "
+        "default: the effect on image quality with real weights is not measured here.",
     )
     offload: OffloadSettings | None = Field(
         None, description="Stream the transformer's blocks through the device (`blocks_on_gpu`); unset: every block "
@@ -392,7 +411,8 @@ class DiTConfig(_StageConfig):
         "quantized Linear dequantizes its weight in `dtype` per forward, through diffusers' GGUF support. Checked at "
         "the DiT's start: no such file, not a GGUF file, cut short, another model's, or a quant type diffusers cannot "
         "read is an error naming this field. The placement check counts the published file's size for the quant "
-        "type its name carries (Q4_K_M, ...), or the file's own size. Not with `quantization: fp8`, tensor parallelism or `weights: dummy`.",
+        "type its name carries (Q4_K_M, ...), or the file's own size. Not with `quantization: fp8`, tensor "
+        "parallelism or `weights: dummy`.",
     )
 
     @model_validator(mode="after")
@@ -400,6 +420,9 @@ class DiTConfig(_StageConfig):
         if self.offload is not None and self.compile:
             raise ValueError("offload: streamed blocks swap their weights in hooks that compiled blocks would trace; "
                              "set compile: false")
+        if self.quantization == "int8" and (self.offload is not None or self.parallel.tensor > 1):
+            raise ValueError("quantization: int8 weights are not streamed (offload) or sliced (tensor parallelism) "
+                             "yet; a GGUF file (weights_file) streams")
         if self.offload is not None and self.parallel.tensor > 1:
             raise ValueError("offload: not with tensor parallelism (its ranks' slices are not streamed)")
         return self
@@ -427,14 +450,20 @@ class VAEConfig(_StageConfig):
     """The VAE stage: batched latent decoding (and image encoding for edits)."""
 
     max_batch_size: PositiveInt = Field(4, description="Most same-size latents decoded in one VAE call.")
-    tiling: bool = Field(
+    tiling: bool | Literal["auto"] = Field(
         False,
-        description="Decode each image in bands of 256 pixel rows, one after another on the stage's device, for large "
-        "images on small cards: the mid block still attends over the whole latent, and each band computes the 104 "
-        "pixel rows (13 latent rows) of context either side that its convolutions reach, so the pixels are the "
-        "untiled decode's (bit for bit on the CPU; on a GPU, float rounding aside), unlike diffusers' enable_tiling, "
-        "whose blended tiles differ. Costs up to 1.8x the up path's work (at 1328x1328) for about a third of its "
-        "activation memory.",
+        description="Decode (and encode an edit's input images) in bands of 256 pixel rows, one after another on the "
+        "stage's device, for large images on small cards: the mid block still attends over the whole latent, and "
+        "each band computes the rows of context either side that its convolutions reach (104 pixel rows decoding, "
+        "80 encoding), so the pixels and latents are the untiled ones (bit for bit on the CPU; on a GPU, float "
+        "rounding aside), unlike diffusers' enable_tiling, whose blended tiles differ. Costs up to 1.8x the up "
+        "path's work (at 1328x1328) for about a third of its activation memory. true: every call; auto: a call "
+        "of more pixels (its images together) than tile_above_pixels.",
+    )
+    tile_above_pixels: PositiveInt | None = Field(
+        None,
+        description="With tiling: auto, the pixels above which a call runs in bands. Unset, what fits the stage's "
+        "share of a GPU untiled by the placement estimate (gpu_memory_gib must then be set and the VAE on a GPU).",
     )
     parallel: VaeParallelSettings = Field(
         default_factory=VaeParallelSettings,
@@ -612,6 +641,26 @@ class RequestLimits(_Frozen):
         return self
 
 
+class CardConfig(_Frozen):
+    """Stages sharing one card and taking turns on it (omni_ray/engine/card.py)."""
+
+    stages: tuple[Literal["encoder", "dit", "vae"], ...] = Field(
+        ("encoder", "dit", "vae"), min_length=2,
+        description="The stages on the card, one replica each: each step of one that runs its model (a DiT step, a "
+        "VAE call, an encoder batch) is a turn, granted in the order asked, and between its turns a stage keeps only "
+        "its resident memory: the DiT its weights (kept blocks) and working memory, the VAE its weights, the "
+        "encoder nothing (its weights wait in pinned host memory and come back for each turn, one copy each way "
+        "that the turn's batch shares). With gpu_memory_gib set, the placement check proves the residents plus the "
+        "largest turn fit one card.",
+    )
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> CardConfig:
+        if len(set(self.stages)) != len(self.stages):
+            raise ValueError(f"stages: {list(self.stages)} names a stage twice")
+        return self
+
+
 class PipelineConfig(_Frozen):
     """One Qwen-Image preset: the checkpoint and its three stages."""
 
@@ -704,6 +753,11 @@ class PipelineConfig(_Frozen):
         description="Set for a Qwen-Image-Edit checkpoint (edit.plus for Edit-2509/2511's): the app serves "
         "/v1/images/edits (input images and prompt) instead of /v1/images/generations.",
     )
+    card: CardConfig | None = Field(
+        None,
+        description="Set when stages share one GPU and take turns on it (a one-card preset): which ones "
+        "(omni_ray/engine/card.py). Unset, each stage keeps all it uses.",
+    )
 
     @model_validator(mode="after")
     def _check_stages(self) -> PipelineConfig:
@@ -737,9 +791,24 @@ class PipelineConfig(_Frozen):
                              "qwen-image-layered)")
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
+        if self.encoder.quantization != "none" and self.encoder.runner != "model":
+            raise ValueError(f"encoder.quantization: {self.encoder.quantization} weights load on vLLM's kernels "
+                             "(encoder.runner: model); transformers' loader needs gptqmodel, not installed here")
+        if self.encoder.weights_dir is not None and self.encoder.runner != "model":
+            raise ValueError("encoder.weights_dir: read by vLLM's runner (encoder.runner: model)")
+        if (self.dit.offload is not None and self.dit.offload.blocks_on_gpu == "auto"
+                and (self.gpu_memory_gib is None or self.dit.deployment.num_gpus == 0)):
+            raise ValueError("dit.offload.blocks_on_gpu: auto keeps as many blocks as fit the DiT's GPU memory: set "
+                             "gpu_memory_gib (the DiT on a GPU), or a number")
+        if self.vae.tiling == "auto" and self.vae.tile_above_pixels is None and (
+                self.gpu_memory_gib is None or self.vae.deployment.num_gpus == 0):
+            raise ValueError("vae.tiling: auto decodes in bands above what fits untiled: set vae.tile_above_pixels, "
+                             "or gpu_memory_gib with the VAE on a GPU to have it estimated")
         if self.dit.weights_file is not None and self.weights == "dummy":
             raise ValueError("dit.weights_file: weights: dummy builds the transformer with random weights; set "
                              "weights: checkpoint to read the GGUF file")
+        if self.card is not None:
+            self._check_card(self.card)
         check_placement(self)
         if unknown := sorted(set(self.inpaint_controlnets) - set(self.controlnets)):
             raise ValueError(f"inpaint_controlnets: {unknown[0]!r} is not one of `controlnets`")
@@ -756,6 +825,16 @@ class PipelineConfig(_Frozen):
                 f"dit.max_batch_size ({self.dit.max_batch_size}), or batches never fill"
             )
         return self
+
+    def _check_card(self, card: CardConfig) -> None:
+        for name in card.stages:
+            stage = getattr(self, name)
+            if stage.deployment.num_replicas != 1:
+                raise ValueError(f"card.stages: {name} takes turns on one card: {name}.deployment.num_replicas must "
+                                 "be 1 (no autoscaling)")
+            if name != "encoder" and stage.parallel.world_size > 1:
+                raise ValueError(f"card.stages: {name}.parallel spreads the {name} over several GPUs; a stage on "
+                                 "one card runs on it alone")
 
     def _check_family_21(self) -> None:
         """What a Qwen-Image 2.1 preset cannot ask for: Edit-Plus's settings, and the Qwen-Image DiT's features the

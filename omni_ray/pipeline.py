@@ -26,6 +26,7 @@ from omni_ray.api.schema import ImageGenerationRequest
 from omni_ray.config import LoraEntry, PipelineConfig, load_config
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, build_encoder_core, build_vae_core
+from omni_ray.engine.card import LocalCard
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.errors import RequestError
 from omni_ray.records import (
@@ -51,14 +52,18 @@ class LocalStages(Stages[object]):
     """The stage protocol on three in-process engines. Handles are the records themselves: asyncio tasks that will
     hold the encoders' results, the edit's pixels, the DiT's latents."""
 
-    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, loras: LoraResidency):
+    def __init__(self, encoder: AsyncEngine, dit: AsyncEngine, vae: AsyncEngine, loras: LoraResidency,
+                 card: LocalCard | None = None):
         self.encoder, self.dit, self.vae, self.loras = encoder, dit, vae, loras
+        self.card = card  # the turns on a shared card (``card``), whose ledger the stats read
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> LocalStages:
-        dit = AsyncEngine(lambda: build_dit_core(config), "dit").start()
-        return cls(AsyncEngine(lambda: build_encoder_core(config), "encoder").start(), dit,
-                   AsyncEngine(lambda: build_vae_core(config), "vae").start(), LoraResidency.from_config(dit, config))
+        card = LocalCard() if config.card is not None else None  # the stages' turns on one shared card
+        dit = AsyncEngine(lambda: build_dit_core(config, card=card), "dit").start()
+        return cls(AsyncEngine(lambda: build_encoder_core(config, card), "encoder").start(), dit,
+                   AsyncEngine(lambda: build_vae_core(config, card=card), "vae").start(),
+                   LoraResidency.from_config(dit, config), card)
 
     def put_image(self, image: np.ndarray) -> np.ndarray:
         return image

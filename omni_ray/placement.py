@@ -7,10 +7,12 @@ the per-image activation figures measured on an H100 (benchmarks/results/gpu.jso
 
 - DiT: 1.2 GiB per request in a step at 1328x1328 with true CFG, linear in pixels, times the requests a step holds
   at the largest size (``dit.max_batch_size``, or fewer where ``dit.max_batch_tokens`` binds);
-- VAE: 4.0 GiB per megapixel decoded (7.0 GiB at 1328x1328), times ``vae.max_batch_size``;
-- encoder: the language model's weights (and the vision tower's for edits, or always on the transformers runner),
-  vLLM's KV cache (``kv_cache_memory_bytes``; none on the transformers runner), and 2 GiB of activations and
-  workspace;
+- VAE: 4.0 GiB per megapixel decoded (7.0 GiB at 1328x1328), times ``vae.max_batch_size``; a third of it in bands
+  (``vae.tiling``; with ``auto``, a call past what fits untiled, ``vae_untiled_pixels``);
+- encoder: the language model's weights (and the vision tower's for edits, or always on the transformers runner; an
+  AWQ or GPTQ text encoder's decoder-layer Linears at their quantized bytes, when its config.json is at hand: a local
+  checkpoint or the Hugging Face cache), vLLM's KV cache (``kv_cache_memory_bytes``; none on the transformers
+  runner), and 2 GiB of activations and workspace;
 - every stage: 1 GiB for the CUDA context and the allocator's slack.
 
 The largest image is ``requests.max_side`` squared. These are estimates, not guarantees: they refuse what cannot
@@ -33,6 +35,11 @@ A Qwen-Image 2.1 preset (``family: qwen-image-2.1``) is estimated from 2.1's pub
 - encoder: Qwen3-VL-8B's weights (the vision tower's for edits, or always on the transformers runner), vLLM's KV cache,
   and 2.3 GiB of activations and workspace (Qwen-Image's 2 GiB times the hidden widths' 4,096 / 3,584).
 
+Stages sharing one card (``card.stages``, omni_ray/engine/card.py) take turns on it: the card must hold what each
+keeps between its turns (the DiT all of its estimate, the VAE its weights, the encoder its CUDA context and vLLM's KV
+cache) and the largest turn on top (the encoder's weights and work, or the VAE's decode), not every stage's peak at
+once.
+
 A DiT gang (``dit.parallel``) is estimated per rank: the weights diffusers' ``_tp_plan`` shards divided by ``tensor``
 (the modulation Linears, a third of the model, whole on every rank), float8 bytes for the Linears ``dit.quantization:
 fp8`` quantizes, and a step's activations divided over its CFG and sequence ranks (each holds half the passes, or a
@@ -52,10 +59,12 @@ from dataclasses import dataclass
 
 from omni_ray import qwen_image21
 from omni_ray.qwen_image import (
+    BLOCK_LINEAR_PARAMS,
     FP8_PARAMS,
     GGUF_BYTES,
     NUM_BLOCKS,
     PUBLISHED_PARAMS,
+    QUANTIZABLE_PARAMS,
     TENSOR_SHARDED_PARAMS,
     VISION_PARAMS,
     dit_work_tokens,
@@ -83,6 +92,7 @@ class StageMemory:
     need_gib: float  # estimated peak of one replica
     share_gib: float  # what its num_gpus reserves of one declared GPU
     detail: str
+    turn_gib: float = 0.0  # of need_gib, what it holds only in its turns on a shared card (engine.card)
 
     @property
     def fits(self) -> bool:
@@ -98,15 +108,20 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
     out = []
     for name in ("encoder", "dit", "vae"):
         stage = getattr(config, name)
-        if stage.deployment.num_gpus == 0 or stage.runner != "model":
+        if stage.deployment.num_gpus == 0 or stage.runner == "simulated":
             continue
         width = BYTES_PER_PARAM[stage.dtype]
+        turn = 0.0
         if name == "encoder":
             vllm = stage.runner == "model"  # transformers loads the vision tower always, and keeps no KV cache
             params = PUBLISHED_PARAMS["text_encoder"] - (VISION_PARAMS if vllm and config.edit is None else 0)
-            weights = params * width / GIB
+            quantization = (declared_quantization(stage.quantization) or encoder_quantization(config.model)
+                            if vllm else None)
+            weights, kind = encoder_weights(params, stage.dtype, quantization)
+            weights /= GIB
             extra = (stage.kv_cache_memory_bytes / GIB if vllm else 0) + ENCODER_ACTIVATIONS_GIB
-            detail = f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
+            detail = f"{weights:.1f} GiB of {kind} weights, {extra:.1f} GiB of KV cache and work"
+            turn = weights + ENCODER_ACTIVATIONS_GIB  # on a shared card, its weights come for its turns only
         elif name == "dit":
             parallel = stage.parallel
             if stage.weights_file is not None:
@@ -115,9 +130,12 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
             else:
                 weights = dit_weight_bytes(width, parallel.tensor, stage.quantization == "fp8") / GIB
                 kind = f"{stage.dtype}{' and float8' if stage.quantization == 'fp8' else ''}"
+                if stage.quantization == "int8":  # the blocks' Linears at a byte a weight (and a scale a row)
+                    weights = (PUBLISHED_PARAMS["transformer"] - BLOCK_LINEAR_PARAMS * (1 - 1 / width)) * width / GIB
+                    kind = f"int8 and {stage.dtype}"
             streamed = ""
             if stage.offload is not None:  # the kept blocks and the two passing through
-                on_card = min(NUM_BLOCKS, max(stage.offload.blocks_on_gpu, 1) + 2)
+                on_card = min(NUM_BLOCKS, max(kept_blocks(config, gpu_memory_gib), 1) + 2)
                 streamed = (f" ({on_card} of {NUM_BLOCKS} blocks on the card at once, {weights:.1f} GiB in all, the "
                             "rest streamed from pinned host memory)")
                 weights *= on_card / NUM_BLOCKS
@@ -130,13 +148,92 @@ def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
                       f"{rows} request{'s' if rows != 1 else ''} at {side}x{side}{gang}")
         else:
             weights = PUBLISHED_PARAMS["vae"] * width / GIB
-            extra = stage.max_batch_size * VAE_GIB_PER_MEGAPIXEL * pixels / 1e6 / (VAE_TILING_SAVES if stage.tiling
-                                                                                     else 1)
+            untiled = stage.max_batch_size * VAE_GIB_PER_MEGAPIXEL * pixels / 1e6
+            banded = stage.tiling is True or (stage.tiling == "auto" and stage.max_batch_size * pixels > (
+                vae_untiled_pixels(config, gpu_memory_gib)))
+            extra = untiled / VAE_TILING_SAVES if banded else untiled
             detail = (f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB to decode "
-                      f"{stage.max_batch_size} images at {side}x{side}{' in bands' if stage.tiling else ''}")
+                      f"{stage.max_batch_size} images at {side}x{side}{' in bands' if banded else ''}")
+            turn = extra  # on a shared card, its decode's memory goes back after each turn
         need = weights + extra + CONTEXT_GIB
-        out.append(StageMemory(name, round(need, 1), round(stage.deployment.num_gpus * gpu_memory_gib, 1), detail))
+        out.append(StageMemory(name, round(need, 1), round(stage.deployment.num_gpus * gpu_memory_gib, 1), detail,
+                               round(turn, 1)))
     return out
+
+
+def encoder_quantization(model: str) -> dict | None:
+    """The AWQ or GPTQ ``quantization_config`` of ``model``'s text encoder when its config.json can be read here
+    without a download (a local checkpoint, or one in the Hugging Face cache); None otherwise, which counts the
+    encoder at full precision, the larger."""
+    import pathlib
+
+    from omni_ray.checkpoints.awq import read_quantization
+
+    folder = pathlib.Path(model).expanduser() / "text_encoder"
+    if not (folder / "config.json").is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "text_encoder/config.json")
+        except ValueError:  # not a hub id either
+            return None
+        if not isinstance(cached, str):
+            return None
+        folder = pathlib.Path(cached).parent
+    quantization = read_quantization(folder)
+    return quantization if quantization and quantization.get("quant_method") in ("awq", "gptq") else None
+
+
+def declared_quantization(method: str) -> dict | None:
+    """``encoder.quantization``'s weights as the published checkpoints store them (4 bits, groups of 128)."""
+    if method == "none":
+        return None
+    return {"quant_method": method, "bits": 4, "group_size": 128}
+
+
+def encoder_weights(params: int, dtype: str, quantization: dict | None) -> tuple[float, str]:
+    """Bytes of ``params`` of the text encoder's weights, and what they are in words: at ``dtype``, but for the
+    decoder layers' Linears at what ``quantization`` stores (4-bit AWQ in groups of 128: 0.52 bytes a weight; with the
+    vision tower, the 6.9 GB of ``Qwen/Qwen2.5-VL-7B-Instruct-AWQ``)."""
+    if quantization is None:
+        return params * BYTES_PER_PARAM[dtype], dtype
+    from omni_ray.checkpoints.awq import bytes_per_weight
+
+    quantized = QUANTIZABLE_PARAMS * bytes_per_weight(quantization)
+    kind = f"{quantization['bits']}-bit {quantization['quant_method'].upper()} and {dtype}"
+    return quantized + (params - QUANTIZABLE_PARAMS) * BYTES_PER_PARAM[dtype], kind
+
+
+def kept_blocks(config, gpu_memory_gib: float | None) -> int:
+    """``dit.offload.blocks_on_gpu``, or for ``auto`` the most blocks that fit: the DiT's estimate within its share
+    of a ``gpu_memory_gib`` GPU, or on a shared card (``card.stages``) the card's need within the card (at least the
+    one block always kept, which the check then refuses if even that does not fit)."""
+    blocks = config.dit.offload.blocks_on_gpu
+    if blocks != "auto":
+        return blocks
+    for kept in range(NUM_BLOCKS, 1, -1):
+        offload = config.dit.offload.model_copy(update={"blocks_on_gpu": kept})
+        trial = config.model_copy(update={"dit": config.dit.model_copy(update={"offload": offload})})
+        estimates = stage_memory(trial, gpu_memory_gib)
+        if config.card is not None and "dit" in config.card.stages:
+            fits = card_need_gib([e for e in estimates if e.stage in config.card.stages])[0] <= gpu_memory_gib
+        else:
+            fits = next(e for e in estimates if e.stage == "dit").fits
+        if fits:
+            return kept
+    return 1
+
+
+def vae_untiled_pixels(config, gpu_memory_gib: float | None) -> int:
+    """``vae.tiling: auto``: the pixels of a call (its images together) above which it runs in bands, as
+    ``vae.tile_above_pixels`` sets it, or as many as fit the VAE's share of a GPU untiled beside its weights and
+    context (at least one 256x256 image)."""
+    stage = config.vae
+    if stage.tile_above_pixels is not None:
+        return stage.tile_above_pixels
+    free_gib = (stage.deployment.num_gpus * gpu_memory_gib - PUBLISHED_PARAMS["vae"] * BYTES_PER_PARAM[stage.dtype]
+                / GIB - CONTEXT_GIB)
+    return max(int(free_gib / VAE_GIB_PER_MEGAPIXEL * 1e6), 256 * 256)
 
 
 def stage_memory_21(config, gpu_memory_gib: float) -> list[StageMemory]:
@@ -283,13 +380,46 @@ def check_placement(config) -> None:
     check_gang(config)
     if config.gpu_memory_gib is None:
         return
-    for estimate in stage_memory(config, config.gpu_memory_gib):
+    estimates = stage_memory(config, config.gpu_memory_gib)
+    on_card = [e for e in estimates if config.card is not None and e.stage in config.card.stages]
+    if on_card:
+        check_card(config, on_card)
+    for estimate in estimates:
+        if estimate in on_card:
+            continue
         if not estimate.fits:
             raise ValueError(
                 f"{estimate.stage}.deployment.num_gpus: the {estimate.stage} needs about {estimate.need_gib} GiB "
                 f"({estimate.detail}), more than its {estimate.share_gib} GiB share of a {config.gpu_memory_gib} "
                 "GiB GPU (gpu_memory_gib)"
             )
+
+
+def card_need_gib(on_card: list[StageMemory]) -> tuple[float, StageMemory]:
+    """The most a shared card holds (engine.card): every stage's resident memory, plus the largest turn; and the
+    stage whose turn that is."""
+    largest = max(on_card, key=lambda e: e.turn_gib)
+    return round(sum(e.need_gib - e.turn_gib for e in on_card) + largest.turn_gib, 1), largest
+
+
+def check_card(config, on_card: list[StageMemory]) -> None:
+    """The stages sharing the card fit it taking turns (``card_need_gib``); a vLLM encoder among them, which refuses
+    to start unless ``gpu_memory_utilization`` of the card is free, asks no more than the others leave it."""
+    gpu_memory_gib = config.gpu_memory_gib
+    need, largest = card_need_gib(on_card)
+    if need > gpu_memory_gib:
+        held = ", ".join(f"{e.stage} {e.need_gib - e.turn_gib:.1f}" for e in on_card)
+        raise ValueError(f"card.stages: the stages sharing the card need about {need} GiB, more than the "
+                         f"{gpu_memory_gib} GiB card (gpu_memory_gib): they hold {held} GiB between turns, and the "
+                         f"{largest.stage}'s turn {largest.turn_gib:.1f} GiB more ({largest.detail})")
+    encoder = config.encoder
+    if any(e.stage == "encoder" for e in on_card) and encoder.runner == "model":
+        free = gpu_memory_gib - sum(e.need_gib - e.turn_gib for e in on_card if e.stage != "encoder")
+        if encoder.gpu_memory_utilization * gpu_memory_gib > free:
+            raise ValueError(
+                f"encoder.gpu_memory_utilization: vLLM starts only with {encoder.gpu_memory_utilization} of the "
+                f"card ({encoder.gpu_memory_utilization * gpu_memory_gib:.1f} GiB) free, but the stages sharing it "
+                f"hold about {gpu_memory_gib - free:.1f} GiB between turns, leaving {free:.1f}")
 
 
 GANG_STAGES = ("dit", "vae")  # the stages whose replicas may be gangs (their config's ``parallel``)

@@ -179,6 +179,12 @@ QWEN_IMAGE_TEACACHE = (-4.5e2, 2.8e2, -4.5e1, 3.2, -2e-2)
 # text encoder, vision tower included).
 PUBLISHED_PARAMS = {"transformer": 20_430_401_088, "vae": 126_892_531, "text_encoder": 8_292_166_656}
 VISION_PARAMS = 676_550_144  # Qwen2.5-VL-7B's vision tower, inside PUBLISHED_PARAMS["text_encoder"]
+# Of the text encoder's: the weights of its language model's decoder-layer Linears, which AWQ and GPTQ quantize (the
+# embeddings, lm_head, norms and vision tower stay whole). tests/test_awq_encoder.py counts them.
+QUANTIZABLE_PARAMS = 6_525_288_448
+# The weights of every Linear in the transformer's blocks (all but 46 M of its parameters): what dit.quantization: int8
+# stores at a byte each. tests/test_int8.py counts them from the published config.
+BLOCK_LINEAR_PARAMS = 20_384_317_440
 NUM_BLOCKS = 60  # the transformer's
 # The published GGUF files of the transformer, bytes by quant type (QuantStack's Qwen-Image, Qwen-Image-2512 and Edit
 # files; the same for each release): what the placement check counts for a dit.weights_file named so.

@@ -45,17 +45,18 @@ def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[lis
 
 
 def denoise_mix(mesh, model: str, adapters: dict[str, str], steps: int = 4, split: str = "sequence",
-                compile: bool = False, weights_file: str | None = None, offload_resident: int | None = None
-                ) -> tuple[dict[str, torch.Tensor], list]:
+                compile: bool = False, weights_file: str | None = None, offload_resident: int | None = None,
+                quantization: str = "none") -> tuple[dict[str, torch.Tensor], list]:
     """Every request's final latents on this rank (``mesh`` None: one process), and the bytes sent per step;
     every step split as ``split`` says (``DenoiseBatch.split``); with ``compile``, the blocks compiled; with
     ``weights_file``, the transformer's weights from that GGUF file; with ``offload_resident``, the blocks past
-    that many streamed (the bytes sent then end with the streamer's figures: peak, fetches)."""
+    that many streamed (the bytes sent then end with the streamer's figures: peak, fetches); ``quantization``, the
+    weights quantized at load (``dit.quantization``)."""
     from omni_ray.runners.denoise import DenoiseRunner
 
     torch.manual_seed(0)
     runner = DenoiseRunner.load(model, mesh=mesh, compile=compile, weights_file=weights_file,
-                                offload_resident=offload_resident)
+                                offload_resident=offload_resident, quantization=quantization)
     for name, path in adapters.items():
         runner.add_lora((name, path), read_lora(path, runner.lora_shapes))
     dim = runner.transformer.config.joint_attention_dim

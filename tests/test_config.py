@@ -74,7 +74,7 @@ def test_config_is_frozen(tiny_dir):
          "greater than 0"),
         (lambda d: d.pop("name"), "name", "required"),
         (lambda d: d["dit"].update(device="cuda"), "dit.deployment.num_gpus", "must be > 0"),
-        (lambda d: d["dit"].update(quantization="int4"), "dit.quantization", "'none' or 'fp8'"),
+        (lambda d: d["dit"].update(quantization="int4"), "dit.quantization", "'none', 'fp8' or 'int8'"),
         (lambda d: d["dit"].update(quantization="fp8"), "dit.quantization", "runs on CUDA GPUs"),
         (lambda d: d["vae"].update(parallel={"patches": 0}), "vae.parallel.patches", "greater than 0"),
         (lambda d: d["vae"].update(parallel={"patches": 2, "timeout_s": 0}), "vae.parallel.timeout_s",

@@ -231,34 +231,40 @@ def test_the_gang_presets_fit_their_gpus_and_an_overfull_one_names_the_field(nam
 
 CARD_PRESETS = {
     # preset: (a change that no longer fits its card, the field the refusal names)
-    "qwen_image_24gb_card.yaml": (lambda p: p["dit"].update(weights_file="/models/Qwen_Image-Q8_0.gguf"),
-                                  "dit.deployment.num_gpus"),
+    "qwen_image_24gb_card.yaml": (lambda p: p["dit"]["offload"].update(blocks_on_gpu=57), "card.stages"),
     "qwen_image_16gb_card.yaml": (lambda p: p["dit"]["offload"].update(blocks_on_gpu=45), "dit.deployment.num_gpus"),
-    "qwen_image_edit_2511_24gb_card.yaml": (lambda p: p["vae"].update(tiling=False), "vae.deployment.num_gpus"),
+    "qwen_image_edit_2511_24gb_card.yaml": (lambda p: p["encoder"].update(quantization="none"), "card.stages"),
     "qwen_image_edit_2511_16gb_card.yaml": (lambda p: p["dit"].pop("offload"), "dit.deployment.num_gpus"),
 }
 
 
 @pytest.mark.parametrize("name", CARD_PRESETS)
 def test_the_one_card_presets_fit_their_card_and_an_overfull_one_names_the_field(name):
-    """The DiT (a GGUF file, its published size for its quant type) and the VAE share the card by fractional
-    num_gpus, the encoder on the host's CPU: their estimates at the largest size fit their shares, which sum to the
-    card; a change past it is refused at load, naming the field."""
+    """The DiT (a GGUF file, its published size for its quant type) and the VAE share the card; on 16 GB by
+    fractional num_gpus, the encoder on the host's CPU: their estimates at the largest size fit their shares, which
+    sum to the card; on 24 GB the three taking turns (``card``), the encoder's AWQ weights on the card only in its
+    turns: what they hold between turns and the largest turn fit the card. A change past it is refused at load,
+    naming the field."""
     import yaml
 
     from omni_ray.config import ConfigError, parse_config
-    from omni_ray.placement import stage_memory
+    from omni_ray.placement import card_need_gib, stage_memory
 
     overfill, field = CARD_PRESETS[name]
     preset = yaml.safe_load((REPO / "stage_configs" / name).read_text())
     config = parse_config(preset)
     assert config.gpu_memory_gib in (16, 24) and config.dit.weights_file.endswith("Q4_K_M.gguf")
-    assert (config.encoder.device, config.encoder.deployment.num_gpus) == ("cpu", 0)
-    assert config.dit.deployment.num_gpus + config.vae.deployment.num_gpus <= 1.0
     estimates = {e.stage: e for e in stage_memory(config, config.gpu_memory_gib)}
-    assert set(estimates) == {"dit", "vae"} and all(e.fits for e in estimates.values())
     assert "12.2 GiB" in estimates["dit"].detail and "in bands" in estimates["vae"].detail
-    assert sum(e.need_gib for e in estimates.values()) <= config.gpu_memory_gib
+    if config.card is None:
+        assert (config.encoder.device, config.encoder.deployment.num_gpus) == ("cpu", 0)
+        assert set(estimates) == {"dit", "vae"} and all(e.fits for e in estimates.values())
+        assert sum(e.need_gib for e in estimates.values()) <= config.gpu_memory_gib
+    else:
+        assert config.encoder.quantization == "awq" and "4-bit AWQ" in estimates["encoder"].detail
+        need, largest = card_need_gib(list(estimates.values()))
+        assert need <= config.gpu_memory_gib and largest.stage == "encoder"
+    assert sum(getattr(config, s).deployment.num_gpus for s in ("encoder", "dit", "vae")) <= 1.0
     overfill(preset)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         parse_config(preset)
@@ -275,3 +281,26 @@ def test_a_gguf_file_of_no_published_quant_type_needs_to_be_there_for_its_size(t
         parse_config(preset)
     (tmp_path / "my-own-quant.gguf").write_bytes(b"GGUF" + bytes(100))
     parse_config(preset)  # its own size: 104 bytes
+
+
+@pytest.mark.parametrize("name", CARD_PRESETS)
+def test_auto_keeps_the_most_blocks_that_fit_each_one_card_preset(name):
+    """``dit.offload.blocks_on_gpu: auto``: the most blocks whose estimate fits (one more would not), from the same
+    check that refuses a preset; on the CPU (no GPU memory to fit) refused, naming the field."""
+    import yaml
+
+    from omni_ray.config import ConfigError, parse_config
+    from omni_ray.placement import kept_blocks
+
+    preset = yaml.safe_load((REPO / "stage_configs" / name).read_text())
+    preset["dit"].setdefault("offload", {})["blocks_on_gpu"] = "auto"
+    config = parse_config(preset)
+    kept = kept_blocks(config, config.gpu_memory_gib)
+    assert 1 < kept < 60
+    preset["dit"]["offload"]["blocks_on_gpu"] = kept
+    parse_config(preset)
+    preset["dit"]["offload"]["blocks_on_gpu"] = kept + 1
+    with pytest.raises(ConfigError, match=r"card\.stages|dit\.deployment\.num_gpus"):
+        parse_config(preset)
+    with pytest.raises(ConfigError, match="dit.offload.blocks_on_gpu: auto keeps as many blocks as fit"):
+        parse_config({**preset, "gpu_memory_gib": None, "dit": {**preset["dit"], "offload": {"blocks_on_gpu": "auto"}}})

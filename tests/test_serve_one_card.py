@@ -1,9 +1,11 @@
 """The one-card layout served (issue 50): the tiny checkpoint with the one-card presets' settings, on a local cluster:
 the DiT from a Q4_0 GGUF file with one of its two blocks streamed through the device, the VAE decoding in bands, the
-encoder on the transformers runner, as `qwen_image_24gb_card.yaml` and its kin run them on a card. An image within one
-level of diffusers' QwenImagePipeline on the same file through diffusers' own GGUF loader; 48 requests of the soak's
-mix, 16 at a time (a tenth invalid, a quarter streamed, n 1 to 3, clients that leave): none lost, and the streamed
-blocks on the device never past the kept one plus two."""
+encoder on the transformers runner, and the three stages sharing one device and taking turns on it (``card``), the
+encoder's weights off it between its turns, as `qwen_image_24gb_card.yaml` and its kin run them on a card. An image
+within one level of diffusers' QwenImagePipeline on the same file through diffusers' own GGUF loader; 48 requests of
+the soak's mix, 16 at a time (a tenth invalid, a quarter streamed, n 1 to 3, clients that leave): none lost, the
+streamed blocks on the device never past the kept one plus two, and the card's ledger (one Ray actor) showing no two
+turns at once and the encoder holding nothing between its turns."""
 
 import concurrent.futures
 import json
@@ -34,6 +36,7 @@ def served(tiny_dir, weights):
     preset["encoder"]["runner"] = "transformers"
     preset["dit"].update(weights_file=str(weights), offload={"blocks_on_gpu": 1})
     preset["vae"]["tiling"] = True
+    preset["card"] = {"stages": ["encoder", "dit", "vae"]}  # one device, taking turns
     with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=preset) as local:
         yield {"base": local.base_url, "address": local.address}
 
@@ -64,7 +67,21 @@ def test_sixteen_at_a_time_of_a_mixed_load_lose_none(served):
     kinds = {kind for kind, _, _ in outcomes}
     assert not problems, problems[:5]
     assert {"invalid", "json", "streamed", "cancelled"} <= kinds, kinds
-    dit = stage_stats({"address": served["address"]})["DiT"]
+    stats = stage_stats({"address": served["address"]})
+    dit = stats["DiT"]
     assert dit["offload"]["kept"] == 1 and dit["offload"]["peak"] == 2 and dit["offload"]["fetches"] > 48, \
         json.dumps(dit["offload"])
     assert max(int(size) for size in dit["batch_sizes"]) > 1  # the streamed DiT batched its steps
+    # the three stages took turns on the one device, never two at once; the encoder's weights came for each of its
+    # turns and left after it; every stage's holdings counted by the card's ledger
+    card = dit["card"]["card"]
+    assert card["overlaps"] == 0, card
+    assert {stage: stats[name]["card"]["turns"] for stage, name in STAGES.items()} == card["turns"], card
+    assert card["turns"]["dit"] >= 20 and card["turns"]["vae"] >= 10 and card["turns"]["encoder"] >= 5, card
+    assert card["held_bytes"]["encoder"] == 0 and card["turn_peak_bytes"]["encoder"] > 0, card
+    assert card["held_bytes"]["dit"] > 0 and card["held_bytes"]["vae"] > 0, card
+    others = card["held_bytes"]["dit"] + card["held_bytes"]["vae"]
+    assert others <= card["peak_bytes"] <= others + max(card["turn_peak_bytes"].values()), card
+
+
+STAGES = {"encoder": "Encoder", "dit": "DiT", "vae": "VAE"}

@@ -1,6 +1,7 @@
 """The VAE decode split by latent rows: in bands on one device (``vae.tiling``) and over a gang of ranks
 (``decode_patches``; ``vae.parallel`` under the VAE's engine core), each band with the rows of context its
-convolutions reach, against the whole-frame decode.
+convolutions reach, against the whole-frame decode; the encode in bands the same way; ``vae.tiling: auto`` banding
+only the calls past its pixels.
 
 Measured on the CPU (float32): the banded and the gathered pixels equal the whole-frame decode's bit for bit, on the
 tiny VAE and on Qwen-Image's full-size architecture with random weights. The tests allow 1e-5 (float rounding, should
@@ -72,6 +73,45 @@ def test_bands_on_qwen_image_s_full_size_vae_are_exact():
     assert decoder.halo == 13
     latents = _latents(1, 32, 6)  # bands of 8 rows: two of the four crop context on both sides
     assert_reordered(decoder(latents, 8), decoder(latents))
+
+
+@torch.inference_mode()
+def test_banded_encoding_is_the_whole_frame_s_and_needs_its_halo(tiny_vae):
+    """An edit's input image encoded in bands (``FrameEncoder.encode_rows``): the down path on each band's pixel rows
+    and the rows of context its convolutions reach either side (48 on the tiny VAE, 80 on Qwen-Image's with its two
+    residual blocks a level), the mid block on the whole latent."""
+    from omni_ray.checkpoints.full_size import CONFIG_DIR
+    from omni_ray.runners.vae_frame import FrameEncoder
+
+    torch.manual_seed(0)
+    full = random_model(AutoencoderKLQwenImage, AutoencoderKLQwenImage.load_config(CONFIG_DIR, subfolder="vae"),
+                        torch.float32, "cpu")
+    for vae, shape, halo, bands in ((full, (1, 3, 192, 32), 80, (8,)), (tiny_vae, (2, 3, 320, 96), 48, (1, 3, 8))):
+        encoder = FrameEncoder(vae).eval()
+        assert (encoder.halo, encoder.scale) == (halo, 8)
+        pixels = torch.rand(shape, generator=torch.Generator().manual_seed(2)) * 2 - 1
+        whole = encoder(pixels)
+        for band_rows in bands:
+            assert_reordered(encoder(pixels, band_rows), whole, band_rows)
+    encoder.halo = 32  # too little context changes the latents
+    assert (encoder(pixels, 3) - whole).abs().max().item() > 10 * reorder_tolerance(whole)
+
+
+def test_auto_tiling_bands_the_calls_past_its_pixels_for_the_same_images(tiny_vae):
+    """``vae.tiling: auto``: a call of more pixels than ``tile_above_pixels`` (its images together) decodes and
+    encodes in bands, a smaller one whole; the pixels and latents are the untiled runner's either way."""
+    generator = torch.Generator().manual_seed(3)
+    small = [Latents(pack_latents(torch.randn(1, 1, 16, 8, 8, generator=generator))[0], 64, 64)]
+    large = [Latents(pack_latents(torch.randn(1, 1, 16, 64, 48, generator=generator))[0], 512, 384)]
+    untiled, auto = VaeRunner(tiny_vae), VaeRunner(tiny_vae, tile_above_pixels=256 * 256)
+    assert_within_a_level(auto.decode(small), untiled.decode(small))
+    assert auto.banded_calls == 0
+    assert_within_a_level(auto.decode(large), untiled.decode(large))
+    assert auto.banded_calls == 1
+    image = (torch.rand(512, 384, 3, generator=generator) * 255).to(torch.uint8).numpy()
+    (banded,), (whole,) = auto.encode([image]), untiled.encode([image])
+    assert auto.banded_calls == 2
+    assert_reordered(banded.latents, whole.latents)
 
 
 def test_a_tiled_runner_decodes_the_untiled_runner_s_pixels(tiny_vae):
@@ -158,3 +198,22 @@ def test_the_vae_core_on_a_gang_of_two_decodes_one_rank_s_pixels(tiny_dir):
     assert gang["wide"].pixels.shape == (48, 80, 3)
     assert torch.equal(gang["b"].latents.latents, alone["b"].latents.latents)  # handed back, not computed
     assert_reordered(gang["image"].latents, alone["image"].latents)
+
+
+def test_auto_tiling_takes_its_pixels_from_the_preset_or_the_vae_s_share_of_its_gpu(tiny_dir):
+    """``vae.tiling: auto`` on the CPU needs ``tile_above_pixels``; on a GPU preset it is what the placement estimate
+    fits untiled in the VAE's share (the 16 GB card's 0.32 of 16 GiB, less weights and context: 3.9 GiB at 4 GiB a
+    megapixel), so a 1664x1664 decode runs in bands there and the check counts it so."""
+    from omni_ray.config import ConfigError, load_config
+    from omni_ray.placement import stage_memory, vae_untiled_pixels
+
+    tiny = REPO / "stage_configs/qwen_image_tiny.yaml"
+    with pytest.raises(ConfigError, match="vae.tiling: auto decodes in bands above what fits untiled"):
+        load_config(tiny, model=str(tiny_dir), overrides={"vae": {"tiling": "auto"}})
+    config = load_config(tiny, model=str(tiny_dir), overrides={"vae": {"tiling": "auto", "tile_above_pixels": 4096}})
+    runner = build_vae_core(config).runner
+    assert (runner.band_rows, runner.tile_above_pixels) == (None, 4096)
+    card = load_config(REPO / "stage_configs/qwen_image_16gb_card.yaml", overrides={"vae": {"tiling": "auto"}})
+    assert 0.9e6 < vae_untiled_pixels(card, 16) < 1.0e6 < 1024 * 1024
+    vae = next(e for e in stage_memory(card, 16) if e.stage == "vae")
+    assert "in bands" in vae.detail and vae.fits

@@ -53,7 +53,8 @@ def write_random(checkpoint: str | pathlib.Path, out: str | pathlib.Path, seed: 
 
     config = QwenImageTransformer2DModel.load_config(checkpoint, subfolder="transformer")
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in QwenImageTransformer2DModel.from_config(config).state_dict().items()}
+        state = QwenImageTransformer2DModel.from_config(config).state_dict()
+        shapes = {name: tuple(t.shape) for name, t in state.items()}
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_0]  # 32 weights in 18 bytes
     scale = np.frombuffer(np.float16(0.02 / 8).tobytes(), np.uint8)  # |w| up to 0.02

@@ -10,6 +10,7 @@ import torch
 from omni_ray import qwen_image_layered
 from omni_ray.config import ConfigError, DiTConfig, PipelineConfig, VAEConfig
 from omni_ray.engine.caption_cache import CaptionCache
+from omni_ray.engine.card import Card, TakingTurns, startup_turn
 from omni_ray.engine.condition_cache import ConditionCacheSize
 from omni_ray.engine.core import DiTEngineCore, EngineCore, ModelRunner
 from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy, SchedulingPolicy
@@ -26,8 +27,10 @@ from omni_ray.engine.executor import (
 )
 from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.engine.vae_scheduler import VaeScheduler
+from omni_ray.placement import kept_blocks, vae_untiled_pixels
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.denoise21 import Denoise21Runner
+from omni_ray.runners.offload import DeviceMemory, ParkedWeights
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.simulated import SimulatedCaptioner, SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 from omni_ray.runners.transformers_encoder import TransformersCaptioner, TransformersEncoder
@@ -40,7 +43,7 @@ from omni_ray.tokenizer import CaptionTokenizer, tokenizer_for
 logger = logging.getLogger(__name__)
 
 
-def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
+def build_encoder_core(config: PipelineConfig, card: Card | None = None) -> EncoderEngineCore | TakingTurns:
     """vLLM's engine core on the text encoder (with its vision tower for edits), or transformers' Qwen2.5-VL, or the
     simulated encoder, under the encoder's core. vLLM binds threads for its whole process: give it its own.
 
@@ -51,8 +54,12 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
     ``family: qwen-image-layered``: the encoder also writes captions of images (``CaptionRequest``, up to
     ``encoder.caption_max_tokens`` new tokens): under vLLM a second, generating engine on the same weights, with the
     vision tower loaded for it; through transformers ``generate``; simulated, from the image's hash. They are cached
-    by image beside the prompt cache (``CaptionCache``; off with it, ``encoder.cache_bytes: 0``)."""
+    by image beside the prompt cache (``CaptionCache``; off with it, ``encoder.cache_bytes: 0``).
+
+    On a shared card (``card``, the preset's ``card.stages`` naming the encoder) its start and each of its batches
+    are turns, its weights off the card between them (``engine.card.TakingTurns``)."""
     stage = config.encoder
+    card = startup_turn(card_of(config, card, "encoder"), "encoder")
     tokenizer = tokenizer_for(config)
     captions = captions_on(config)
     captioner = None
@@ -80,6 +87,8 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
             captions=captions,
             caption_max_tokens=stage.caption_max_tokens,
             caption_image_pixels=CAPTION_IMAGE_PIXELS,
+            quantization=stage.quantization,
+            weights_dir=stage.weights_dir,
         )
         captioner = encoder.captioner
     cache = caption_cache = None
@@ -89,8 +98,18 @@ def build_encoder_core(config: PipelineConfig) -> EncoderEngineCore:
         if captions:
             caption_cache = CaptionCache(checkpoint, stage.caption_max_tokens)
     caption_tokenizer = CaptionTokenizer(config.model) if captions else None
-    return EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache, captioner, caption_tokenizer,
+    core = EncoderEngineCore(tokenizer, encoder, stage.max_sequence_length, cache, captioner, caption_tokenizer,
                              caption_cache, stage.max_num_seqs)
+    if card is None:
+        return core
+    modules = device_modules(encoder)
+    return TakingTurns(core, card, "encoder", DeviceMemory(modules, stage.device),
+                       ParkedWeights(modules, stage.device) if modules else None)
+
+
+def card_of(config: PipelineConfig, card: Card | None, stage: str) -> Card | None:
+    """``card`` if the preset's ``card.stages`` names ``stage``: it takes turns there (``engine.card``)."""
+    return card if config.card is not None and stage in config.card.stages else None
 
 
 # Captions read the input image at its working size: about the largest resolution bucket's area, at any aspect ratio.
@@ -140,14 +159,21 @@ def condition_cache_size(config: PipelineConfig) -> ConditionCacheSize | None:
     return None
 
 
-def build_dit_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None) -> DiTEngineCore:
+def build_dit_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None,
+                   card: Card | None = None) -> DiTEngineCore | TakingTurns:
     """The DiT's core, its runner on ``dit.parallel``'s ranks (``stage_runner``); for Qwen-Image 2.1, its scheduler
-    admits requests within ``dit.cache_memory_bytes`` of condition caches (``condition_cache_size``)."""
+    admits requests within ``dit.cache_memory_bytes`` of condition caches (``condition_cache_size``); on a shared
+    card (``card``), its start and each step are turns."""
     stage = config.dit
+    card = startup_turn(card_of(config, card, "dit"), "dit")
     scheduler = DiTScheduler(stage.max_batch_size, stage.max_wait_steps, create_policy(stage),
                              split=create_split(stage), cache_bytes=condition_cache_size(config),
                              cache_memory_bytes=stage.cache_memory_bytes)
-    return DiTEngineCore(scheduler, stage_runner(stage, functools.partial(build_dit_runner, config), executor_factory))
+    runner = stage_runner(stage, functools.partial(build_dit_runner, config), executor_factory)
+    core = DiTEngineCore(scheduler, runner)
+    if card is None:
+        return core  # on a card, it keeps its working memory between its turns: each step needs the same again
+    return TakingTurns(core, card, "dit", DeviceMemory(device_modules(runner), stage.device), keeps_work=True)
 
 
 def stage_runner(stage: DiTConfig | VAEConfig, make_runner: RunnerFactory,
@@ -181,7 +207,8 @@ def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None
                                 dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
                                 quantization=stage.quantization, mesh=mesh, controlnets=dict(config.controlnets),
                                 weights_file=stage.weights_file,
-                                offload_resident=stage.offload.blocks_on_gpu if stage.offload is not None else None,
+                                offload_resident=(kept_blocks(config, config.gpu_memory_gib)
+                                                  if stage.offload is not None else None),
                                 offload_gbps=stage.offload.host_to_device_gbps if stage.offload is not None else 25.0)
     if stage.compile:  # compile now, while the replica is not yet ready, not on a user's first request
         seconds = runner.warm_up(config.requests.default_height, config.requests.default_width)
@@ -190,11 +217,23 @@ def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None
     return runner
 
 
-def build_vae_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None) -> EngineCore:
-    """The VAE's core, its runner on ``vae.parallel``'s ranks (``stage_runner``)."""
+def build_vae_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None,
+                   card: Card | None = None) -> EngineCore | TakingTurns:
+    """The VAE's core, its runner on ``vae.parallel``'s ranks (``stage_runner``); on a shared card (``card``), its
+    start and each call are turns, its decode's memory handed back after each."""
     stage = config.vae
+    card = startup_turn(card_of(config, card, "vae"), "vae")
     runner = stage_runner(stage, functools.partial(build_vae_runner, config), executor_factory)
-    return EngineCore(VaeScheduler(stage.max_batch_size), runner)
+    core = EngineCore(VaeScheduler(stage.max_batch_size), runner)
+    if card is None:
+        return core
+    return TakingTurns(core, card, "vae", DeviceMemory(device_modules(runner), stage.device))
+
+
+def device_modules(runner) -> list:
+    """The modules a runner in this process holds on its device (none for a simulated or a gang's runner)."""
+    modules = getattr(runner, "device_modules", None)
+    return modules() if modules is not None else []
 
 
 def build_vae_runner(config: PipelineConfig, mesh: Mesh | None = None) -> VaeRunner | VaeRunner21 | SimulatedVae:
@@ -203,6 +242,10 @@ def build_vae_runner(config: PipelineConfig, mesh: Mesh | None = None) -> VaeRun
     stage = config.vae
     if stage.runner == "simulated":
         return SimulatedVae(getattr(torch, stage.dtype))
-    runner = VaeRunner21 if config.family == "qwen-image-2.1" else VaeRunner
-    return runner.load(config.model, getattr(torch, stage.dtype), stage.device, dummy=config.weights == "dummy",
-                       tiling=stage.tiling, mesh=mesh)
+    if config.family == "qwen-image-2.1":
+        return VaeRunner21.load(config.model, getattr(torch, stage.dtype), stage.device,
+                                dummy=config.weights == "dummy", tiling=bool(stage.tiling), mesh=mesh)
+    auto = stage.tiling == "auto"
+    return VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device, dummy=config.weights == "dummy",
+                          tiling=stage.tiling is True, mesh=mesh,
+                          tile_above_pixels=vae_untiled_pixels(config, config.gpu_memory_gib) if auto else None)

@@ -226,6 +226,10 @@ class EncoderEngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending or self.pending_captions)
 
+    def needs_device(self) -> bool:
+        """Whether the next step runs the model: texts or captions to encode (not only cache hits to answer)."""
+        return bool(self.sequences or self.captioning)
+
     def step(self) -> list[EngineCoreOutput]:
         """Hands each engine the waiting work its free seats take, then one step of each engine that has work: the
         pooling engine's texts, the captioner's captions."""

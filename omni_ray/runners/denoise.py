@@ -55,16 +55,16 @@ from omni_ray.records import (
     LoraRef,
     PromptEmbeds,
 )
+from omni_ray.runners import gguf_weights as gguf
 from omni_ray.runners.attention import use_real_rope
 from omni_ray.runners.denoise_state import DenoiseState, prepare_state
-from omni_ray.runners import gguf_weights as gguf
 from omni_ray.runners.dit_cache import BranchCache, ControlRows, cached_forward
 from omni_ray.runners.host import to_host
 from omni_ray.runners.offload import BlockStreamer, stream_blocks
 from omni_ray.runners.parallel.mesh import Comm, Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.parallel.tensor import shard_transformer
-from omni_ray.runners.quantization import quantize_fp8
+from omni_ray.runners.quantization import quantize_fp8, quantize_int8
 from omni_ray.runners.random_weights import random_model
 from omni_ray.runners.stepping import SteppingRunner
 
@@ -107,7 +107,8 @@ class DenoiseRunner(SteppingRunner):
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
-        blocks' Linears in float8 (``quantization.quantize_fp8``); with ``compile``, its blocks compiled (dynamic
+        blocks' Linears in float8 (``quantization.quantize_fp8``), with ``"int8"`` their weights in int8
+        (``quantization.quantize_int8``); with ``compile``, its blocks compiled (dynamic
         shapes: batch sizes, sub-batches of cache acceleration and text lengths vary). In a gang (``mesh``) with
         tensor ranks, each keeps its slice of the blocks' Linears (``parallel.tensor.shard_transformer``) before
         the transformer reaches the device. Known limit: each rank reads the whole checkpoint on its host first
@@ -115,8 +116,8 @@ class DenoiseRunner(SteppingRunner):
         folder of a ``QwenImageControlNetModel``) are loaded whole on every rank, in ``dtype`` on ``device``
         (neither quantized nor compiled). ``weights_file``: a GGUF file of the transformer's weights in place of
         the checkpoint's (``checkpoints.gguf``), checked against its config first. ``offload_resident``: the blocks
-        kept on the device, the others streamed through it (``offload.stream_blocks``) at ``offload_gbps`` GB/s (what its
-        step-time fit starts from); None: all on it."""
+        kept on the device, the others streamed through it (``offload.stream_blocks``) at ``offload_gbps`` GB/s
+        (what its step-time fit starts from); None: all on it."""
         tensor_parallel = mesh is not None and mesh.tensor.size > 1
         on_host_first = tensor_parallel or offload_resident is not None  # only part of the model reaches the device
         if dummy:
@@ -139,6 +140,8 @@ class DenoiseRunner(SteppingRunner):
         transformer = transformer.to(device)
         if quantization == "fp8":
             logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
+        elif quantization == "int8":
+            logger.info("int8 weights: %d Linears quantized", quantize_int8(transformer))
         if compile:
             compile_blocks(transformer)
         nets = {name: QwenImageControlNetModel.from_pretrained(path, torch_dtype=dtype).to(device)

@@ -1,10 +1,14 @@
 """The DiT's transformer blocks streamed through the GPU (``dit.offload``), for a card that cannot hold them all.
 
 The first ``resident`` blocks (the first one always: cache acceleration reads its modulation before it runs), and
-everything outside the blocks (the input and output projections, the timestep embedder), stay on the device. Every other block's weights live in host memory (pinned, on CUDA) and pass through
-the device as the forward reaches them: when a block starts, the next streamed block's copy is issued on a side
-stream, so it arrives while this one computes; when a streamed block ends, its device copy is dropped. So at any
-moment at most ``resident + 2`` blocks' weights are on the device (the one computing and the one arriving).
+everything outside the blocks (the input and output projections, the timestep embedder), stay on the device. Every
+other block's weights live in host memory (pinned, on CUDA) and pass through the device as the forward reaches them:
+when a block starts, the next streamed block's copy is issued on a side stream, so it arrives while this one
+computes; when a streamed block ends, its device copy is dropped. So at any moment at most ``resident + 2`` blocks'
+weights are on the device (the one computing and the one arriving).
+
+A whole model can leave the device between its stage's turns on a shared card the same way (``ParkedWeights``), and
+``DeviceMemory`` says what a stage holds there (``engine.card``).
 
 A step copies each streamed block's weights once, whatever the number of rows in it, which is why a streamed DiT
 wants deep step batches: the transfer is a fixed cost per step that the rows share (the DiT's load learns it as its
@@ -35,13 +39,13 @@ class BlockStreamer:
         self.streamed = list(range(self.resident, len(blocks)))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # each streamed block's tensors: (the Parameter or buffer's owner and name, its host copy)
-        self.host: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
+        self.host: dict[int, Parked] = {}
         self.arrived: dict[int, torch.cuda.Event | None] = {}  # streamed blocks on the device: their copy's event
         self.peak = 0  # most blocks' weights on the device at once
         self.fetches = 0  # streamed blocks copied in
         self.bytes_per_pass = 0  # a forward's copies, every streamed block once
         for index in self.streamed:
-            self.host[index] = self._to_host(blocks[index])
+            self.host[index] = to_host(blocks[index], device=self.device)
             self.bytes_per_pass += sum(t.numel() * t.element_size() for _, _, t in self.host[index])
             blocks[index].register_forward_pre_hook(lambda _, __, i=index: self._starting(i))
             blocks[index].register_forward_hook(lambda _, __, ___, i=index: self._ended(i))
@@ -52,18 +56,6 @@ class BlockStreamer:
     @property
     def resident_now(self) -> int:
         return self.resident + len(self.arrived)
-
-    def _to_host(self, block: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-        """Moves the block's weights to host memory, leaving empty tensors of their dtype on the device."""
-        held = []
-        for module in block.modules():
-            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-                host = tensor.data.to("cpu")  # the same storage when it is there already (a model loaded on the host)
-                if self.device.type == "cuda":
-                    host = host.pin_memory()
-                held.append((module, name, host))
-                getattr(module, name).data = torch.empty(0, dtype=tensor.dtype, device=self.device)
-        return held
 
     def _after(self, index: int) -> int | None:
         """The first streamed block after ``index`` (wrapping round to the first, for the next forward)."""
@@ -108,8 +100,7 @@ class BlockStreamer:
     def _drop(self, index: int) -> None:
         if self.arrived.pop(index, "absent") == "absent":
             return
-        for module, name, host in self.host[index]:
-            getattr(module, name).data = torch.empty(0, dtype=host.dtype, device=self.device)
+        leave_empty(self.host[index], self.device)
 
     def forward_ended(self) -> None:
         """After a whole forward: drops a block fetched ahead that the forward did not reach (a reused residual
@@ -125,3 +116,108 @@ def stream_blocks(transformer: nn.Module, resident: int, device: torch.device | 
     streamer = BlockStreamer(transformer.transformer_blocks, resident, device)
     transformer.to(device)  # the streamed blocks' weights are empty there already
     return streamer
+
+
+Parked = list[tuple[nn.Module, str, torch.Tensor]]  # each tensor's owner, its name there, and its host copy
+
+
+def to_host(*modules: nn.Module, device: torch.device) -> Parked:
+    """Moves the modules' weights (parameters and buffers; a submodule they share once) to host memory (pinned, for
+    a CUDA ``device``), leaving empty tensors of their dtype on the device."""
+    held, seen = [], set()
+    owners = [owner for module in modules for owner in module.modules()]
+    for owner in owners:
+        if id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        for name, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+            host = tensor.data.to("cpu")  # the same storage when it is there already (a model loaded on the host)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            held.append((owner, name, host))
+    leave_empty(held, device)
+    return held
+
+
+def leave_empty(held: Parked, device: torch.device) -> None:
+    for owner, name, host in held:
+        getattr(owner, name).data = torch.empty(0, dtype=host.dtype, device=device)
+
+
+def device_bytes(modules: list[nn.Module]) -> int:
+    """The bytes of the modules' weights that are on their device now (each tensor once; an empty one, parked on
+    the host, counts nothing)."""
+    seen, total = set(), 0
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+class ParkedWeights:
+    """Models whose weights leave the device between their stage's turns on a shared card (``engine.card``): the
+    encoder's. Away, the device keeps empty tensors and the weights wait in host memory (pinned on CUDA), copied
+    there once: they never change, so later departures only drop the device's copies, and each return is one copy
+    in (on the CPU, the host tensors handed back). For models run eagerly: a captured graph (CUDA graphs, a compiled
+    module) would keep the old addresses."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device | str):
+        self.modules = modules
+        self.device = torch.device(device)
+        self.host: Parked | None = None  # the weights' host copies, once made
+        self.away = False
+        self.moves = 0  # times brought back
+
+    def send_away(self) -> None:
+        if self.away:
+            return
+        if self.host is None:
+            self.host = to_host(*self.modules, device=self.device)
+        else:
+            leave_empty(self.host, self.device)
+        self.away = True
+
+    def bring(self) -> None:
+        if not self.away:
+            return
+        for owner, name, host in self.host:
+            getattr(owner, name).data = host.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.away = False
+        self.moves += 1
+
+
+class DeviceMemory:
+    """What a stage holds on its device, for the card's ledger (``engine.card.TurnMemory``): on CUDA the caching
+    allocator's figures for this process (weights, activations, and what the allocator keeps: ``held`` is its
+    reserve, which only ``release`` hands back to the card); elsewhere the bytes
+    of ``modules``' weights on the device (the CPU has no per-process allocator to read: activations go
+    uncounted there)."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device | str):
+        self.modules = modules
+        self.device = torch.device(device)
+        self._peak = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak = device_bytes(self.modules)
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return max(self._peak, device_bytes(self.modules))
+
+    def held(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_reserved(self.device)
+        return device_bytes(self.modules)
+
+    def release(self) -> None:
+        """Hands what the allocator keeps but no tensor uses back to the card, for the other stages' turns."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -29,6 +29,10 @@ class SteppingRunner:
         self.loras = LoraTable(self.transformer, max_loras)
         self.device, self.dtype = transformer.device, transformer.dtype
 
+    def device_modules(self) -> list:
+        """What it holds on its device: the transformer (its adapters' factors inside it), and any ControlNets."""
+        return [self.transformer, *getattr(self, "controlnets", {}).values()]
+
     @property
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
         """The Linear layers an adapter may adapt: module name -> (in, out features)."""

@@ -59,6 +59,10 @@ class TransformersEncoder:
         self.max_num_seqs = max_num_seqs
         self.waiting: OrderedDict[str, _Sequence] = OrderedDict()
 
+    def device_modules(self) -> list[torch.nn.Module]:
+        """What it holds on its device (the captioner's weights are the same)."""
+        return [self.model]
+
     def add(self, sequence_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
         self.waiting[sequence_id] = _Sequence(token_ids, images)
 

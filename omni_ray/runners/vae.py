@@ -19,8 +19,10 @@ encodes as every edit's image does, to one frame. ``refuse`` turns away images o
 layered latents that are not (or not for) an RGBA VAE's.
 
 With ``tiling``, the decoder's up path runs on bands of ``TILE_ROWS`` latent rows one after another, each with the
-rows of context its convolutions reach (``FrameDecoder.decode_rows``): the same pixels as the whole-frame decode, in
-a fraction of its activation memory, for large frames on small cards.
+rows of context its convolutions reach (``FrameDecoder.decode_rows``), and the encoder's down path the same way
+(``FrameEncoder.encode_rows``): the same pixels and latents as whole frames, in a fraction of their activation
+memory, for large frames on small cards. With ``tile_above_pixels`` (``vae.tiling: auto``), only a call of more
+pixels than that runs in bands: a small image keeps the faster whole-frame path.
 
 On a gang's rank (``vae.parallel``, ``mesh`` given), decoding splits the frame's latent rows over the gang's ranks
 (``decode_patches``: the same pixels, each rank holding its band's activations, every rank ending with the whole
@@ -66,6 +68,10 @@ class BatchedVae:
     def refuse(self, request: VaeRequest) -> None:
         """Raises ValueError for a request this runner cannot run; it then fails alone, before the batch's call,
         with a 400 (``RefusedError``)."""
+
+    def device_modules(self) -> list:
+        """What it holds on its device: the VAE's halves."""
+        return [self.decoder, self.encoder]
 
     def execute_model(self, batch: VaeBatch) -> VaeOutput:
         """Runs the batch in one VAE call; if that raises, runs each request alone so that only the failing ones
@@ -134,7 +140,8 @@ class VaeRunner(BatchedVae):
     a gang: ``mesh``). Its images are RGB, or RGBA with Qwen-Image-Layered's VAE (``input_channels`` 4), which
     also decodes layered latents (``Latents.layers``): each layer a one-frame image, the composite dropped."""
 
-    def __init__(self, vae: AutoencoderKLQwenImage, tiling: bool = False, mesh: Mesh | None = None):
+    def __init__(self, vae: AutoencoderKLQwenImage, tiling: bool = False, mesh: Mesh | None = None,
+                 tile_above_pixels: int | None = None):
         if 2 ** len(vae.temperal_downsample) != VAE_COMPRESSION:
             raise ValueError(f"not Qwen-Image's VAE (its compression is not {VAE_COMPRESSION}x)")
         self.channels = vae.config.input_channels  # 3, or Qwen-Image-Layered's RGBA 4
@@ -142,6 +149,8 @@ class VaeRunner(BatchedVae):
             raise ValueError(f"not Qwen-Image's VAE (it reads {self.channels} image channels, not 3 or {RGBA})")
         self.device, self.dtype = vae.device, vae.dtype
         self.band_rows = TILE_ROWS if tiling else None
+        self.tile_above_pixels = tile_above_pixels  # bands for a call of more pixels than this (its frames together)
+        self.banded_calls = 0  # calls run in bands
         self.comm = (mesh or Mesh.single()).world  # the ranks a decode's rows are split over
         self.decoder = FrameDecoder(vae).eval().to(memory_format=torch.channels_last)
         self.encoder = FrameEncoder(vae).eval().to(memory_format=torch.channels_last)
@@ -154,14 +163,24 @@ class VaeRunner(BatchedVae):
 
     @classmethod
     def load(cls, model: str, dtype: torch.dtype = torch.float32, device: str = "cpu", dummy: bool = False,
-             tiling: bool = False, mesh: Mesh | None = None) -> VaeRunner:
+             tiling: bool = False, mesh: Mesh | None = None, tile_above_pixels: int | None = None) -> VaeRunner:
         """The runner of a checkpoint's ``vae/``; with ``dummy``, built from its config with random weights (drawn
-        from a fixed seed: every rank of a gang holds the same)."""
+        from a fixed seed: every rank of a gang holds the same). ``tiling``: every call in bands of ``TILE_ROWS``
+        latent rows; ``tile_above_pixels``: a call of more pixels than that (its frames' together)."""
         if dummy:
             config = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
-            return cls(random_model(AutoencoderKLQwenImage, config, dtype, device), tiling, mesh)
-        vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device)
-        return cls(vae, tiling, mesh)
+            vae = random_model(AutoencoderKLQwenImage, config, dtype, device)
+        else:
+            vae = AutoencoderKLQwenImage.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device)
+        return cls(vae, tiling, mesh, tile_above_pixels)
+
+    def _bands(self, frames: int, height: int, width: int) -> int | None:
+        """The band height for a call of ``frames`` images of this size: ``TILE_ROWS`` with ``tiling`` or past
+        ``tile_above_pixels``, else None (whole frames)."""
+        banded = self.band_rows is not None or (
+            self.tile_above_pixels is not None and frames * height * width > self.tile_above_pixels)
+        self.banded_calls += banded
+        return TILE_ROWS if banded else None
 
     def refuse(self, request: VaeRequest) -> None:
         """An image of other channels than the VAE's; layered latents to an RGB VAE, or whose rows are not their
@@ -209,7 +228,7 @@ class VaeRunner(BatchedVae):
         latents = unpack_latents(packed, height, width)[:, :, 0].to(self.dtype)  # one frame: [frames, z_dim, h, w]
         mean, inverse_std = self.latents_mean.to(self.dtype), 1.0 / self.latents_std.to(self.dtype)
         latents = (latents / inverse_std + mean).contiguous(memory_format=torch.channels_last)
-        image = decode_patches(self.decoder, latents, self.comm, self.band_rows)
+        image = decode_patches(self.decoder, latents, self.comm, self._bands(len(latents), height, width))
         # VaeImageProcessor.postprocess(output_type="pil")'s arithmetic, on the device: denormalise in the VAE's
         # dtype, then float32, scale and round (half to even, as numpy rounds).
         image = self.image_processor.denormalize(image).permute(0, 2, 3, 1).float()
@@ -258,7 +277,8 @@ class VaeRunner(BatchedVae):
         for row, mask in enumerate(masks):
             if mask is not None:  # prepare_image_with_mask: masked_image[mask > 0.5] = -1
                 pixels[row, :, torch.from_numpy(mask > 0)] = -1.0
-        moments = self.encoder(pixels.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last))
+        moments = self.encoder(pixels.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last),
+                               self._bands(len(images), height, width))
         mean, logvar = moments.chunk(2, dim=1)
         latents_mean, latents_std = self.latents_mean.to(self.dtype), self.latents_std.to(self.dtype)
         normalised = (mean - latents_mean) / latents_std

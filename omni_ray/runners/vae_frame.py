@@ -191,19 +191,62 @@ def _halo_rows(layers: list[nn.Module]) -> int:
     return reach
 
 
+def _down_halo_rows(layers: list[nn.Module], scale: int) -> int | None:
+    """Pixel rows of context either side that exact latents of a band need in the encoder's down path (``layers``),
+    a multiple of ``scale`` (bands start on latent rows): its receptive field, walked back from the output. A 3x3
+    convolution reaches one row further at its resolution; a stride-2 downsampler (zero row padded below, then a 3x3
+    convolution of stride 2) doubles the reach and adds its kernel's two rows. None if a layer is not local."""
+    reach = 0
+    for layer in reversed(layers):
+        if isinstance(layer, _Resample) and not layer.up:
+            reach = 2 * reach + layer.conv.kernel_size[0] - 1
+        elif isinstance(layer, nn.Conv2d):
+            reach += layer.padding[0]
+        elif isinstance(layer, _ResidualBlock):  # its shortcut is 1x1: the convolutions reach further
+            reach += layer.conv1.padding[0] + layer.conv2.padding[0]
+        elif not isinstance(layer, nn.Identity):
+            return None
+    return -(-reach // scale) * scale
+
+
 class FrameEncoder(nn.Module):
     """Pixels in [-1, 1] ``[B, C, H, W]`` (C: 3, or 4 for RGBA) -> the latent distribution's moments
-    ``[B, 2 * z_dim, H/8, W/8]``: its mean (its mode), then its log-variance."""
+    ``[B, 2 * z_dim, H/8, W/8]``: its mean (its mode), then its log-variance.
+
+    Its down path (``conv_in``, the down blocks' residual blocks and stride-2 downsamplers) is convolutions and
+    per-position norms, so a band of latent rows depends only on the pixel rows under it and ``halo`` more either
+    side; the mid block (whose attention spans the frame) and the output layers run at the latent resolution on the
+    whole frame. With ``band_rows``, the down path runs band by band (``encode_rows``): the whole-frame encode's
+    latents (float rounding aside) in a fraction of its full-resolution activations. A VAE whose down blocks attend
+    (none published) has no bands (``halo`` None)."""
 
     def __init__(self, vae: AutoencoderKLQwenImage):
         super().__init__()
         encoder = vae.encoder
-        layers = [_conv2d(encoder.conv_in), *(_layer(layer) for layer in encoder.down_blocks)]
-        self.layers = nn.Sequential(*layers, *_mid_layers(encoder.mid_block))
+        self.down = nn.Sequential(_conv2d(encoder.conv_in), *(_layer(layer) for layer in encoder.down_blocks))
+        self.mid = nn.Sequential(*_mid_layers(encoder.mid_block))
         self.norm_out, self.conv_out = _RMSNorm(encoder.norm_out), _conv2d(encoder.conv_out)
         self.quant_conv = _conv2d(vae.quant_conv)
         self.z_dim = vae.config.z_dim
+        self.scale = 2 ** sum(isinstance(layer, _Resample) for layer in self.down)  # pixel rows per latent row
+        self.halo = _down_halo_rows(list(self.down), self.scale)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        moments = self.quant_conv(self.conv_out(F.silu(self.norm_out(self.layers(pixels)))))
-        return moments
+    def forward(self, pixels: torch.Tensor, band_rows: int | None = None) -> torch.Tensor:
+        rows = pixels.shape[2] // self.scale
+        if band_rows is None or rows <= band_rows or self.halo is None:
+            hidden = self.down(pixels)
+        else:
+            hidden = torch.cat([self.encode_rows(pixels, a, b) for a, b in split_rows(rows, -(-rows // band_rows))],
+                               dim=2)
+        return self.quant_conv(self.conv_out(F.silu(self.norm_out(self.mid(hidden)))))
+
+    def encode_rows(self, pixels: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The down path's output for latent rows ``[start, stop)``: run on their pixel rows and ``halo`` more
+        either side (fewer at the frame's edges, where the whole-frame encode's padding is the same), then cropped.
+        The band starts on a multiple of ``scale`` pixel rows, so every stride-2 convolution samples the rows the
+        whole frame's samples."""
+        top = max(self.scale * start - self.halo, 0)
+        bottom = min(self.scale * stop + self.halo, pixels.shape[2])
+        hidden = self.down(pixels[:, :, top:bottom])
+        first = start - top // self.scale
+        return hidden[:, :, first:first + stop - start]

@@ -32,14 +32,16 @@ def local_subfolder(model: str, subfolder: str) -> str:
     return str(pathlib.Path(snapshot_download(model, allow_patterns=[f"{subfolder}/*"])) / subfolder)
 
 
-def vision_model_dir(model: str) -> str:
-    """One directory holding ``text_encoder/`` and ``processor/`` side by side, as vLLM loads a multimodal model.
+def vision_model_dir(model: str, text_encoder: str | None = None) -> str:
+    """One directory holding ``text_encoder/`` (or the folder ``text_encoder`` names) and ``processor/`` side by side,
+    as vLLM loads a multimodal model.
 
     diffusers keeps Qwen2.5-VL's weights and its processor in two folders; vLLM reads both from its model path. The
     directory, in the user's cache and named after the checkpoint's path, holds links to both folders' files; each
     link is checked and replaced atomically when it points elsewhere, so replicas starting together agree.
     """
-    sources = [pathlib.Path(local_subfolder(model, sub)).resolve() for sub in ("text_encoder", "processor")]
+    sources = [pathlib.Path(text_encoder or local_subfolder(model, "text_encoder")).resolve(),
+               pathlib.Path(local_subfolder(model, "processor")).resolve()]
     digest = hashlib.sha256("\0".join(map(str, sources)).encode()).hexdigest()[:16]
     merged = pathlib.Path("~/.cache/omni-ray/vision").expanduser() / digest
     merged.mkdir(parents=True, exist_ok=True)
@@ -95,10 +97,15 @@ class VllmEncoder:
         captions: bool = False,
         caption_max_tokens: int = 512,
         caption_image_pixels: int = 2 << 20,
+        quantization: str = "none",
+        weights_dir: str | None = None,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Left on, vLLM replaces the process's logging set-up on import, and a Serve replica loses its log file.
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        # On CPUs with AMX, vLLM would run a 4-bit (AWQ, GPTQ) encoder's bfloat16 Linears with int8 activations; off,
+        # they keep the activation dtype, as the GPU kernels do, and the embeddings stay the checkpoint's.
+        os.environ.setdefault("VLLM_CPU_INT4_W4A8", "0")
         from vllm.config import PoolerConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.pooling_params import PoolingParams
@@ -107,19 +114,22 @@ class VllmEncoder:
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
         vision = max_image_pixels is not None or captions
+        text_encoder = str(pathlib.Path(weights_dir).expanduser()) if weights_dir else local_subfolder(model,
+                                                                                                      "text_encoder")
+        check_quantized(text_encoder, dtype, weights_read=not dummy, declared=quantization)
         self.family21 = family == qwen_image21.FAMILY
         tokenizer = local_subfolder(model, "processor" if self.family21 else "tokenizer")
         if vision:
             # Images reach the encoder already resized to about the preset's area, so the processor's own bound
             # never binds; it sizes vLLM's encoder budget (its default, 16k tokens per image, would be profiled).
             modality = {
-                "model": vision_model_dir(model),
+                "model": vision_model_dir(model, text_encoder),
                 "limit_mm_per_prompt": {"image": max_images, "video": 0},
                 "mm_processor_kwargs": {"max_pixels": max_image_pixels or MIN_IMAGE_PIXELS},
                 "mm_processor_cache_gb": 0,
             }
         else:
-            modality = {"model": local_subfolder(model, "text_encoder"), "language_model_only": True}
+            modality = {"model": text_encoder, "language_model_only": True}
         args = EngineArgs(
             tokenizer=tokenizer,
             dtype=dtype,
@@ -151,6 +161,15 @@ class VllmEncoder:
             template_tokens = CaptionTokenizer(model).max_template_tokens
             self.captioner = VllmCaptioner(args, self.core, _loopback_executor(UniProcExecutor), caption_max_tokens,
                                            caption_image_pixels, template_tokens)
+
+    def device_modules(self) -> list[torch.nn.Module]:
+        """The models vLLM holds on its device: the pooling engine's, and the captioner's (which shares its
+        submodules). Eager (``enforce_eager``), so their weights may move between forwards (``offload.ParkedWeights``);
+        on a CPU, vLLM's linear layers compute from the oneDNN-packed copies it made at load, which stay."""
+        models = [self.core.model_executor.driver_worker.worker.model_runner.model]
+        if self.captioner is not None:
+            models.append(self.captioner.model)
+        return models
 
     def add(self, request_id: str, token_ids: list[int], images: tuple[np.ndarray, ...] = ()) -> None:
         """Queues one sequence; with ``images``, its i-th ``<|image_pad|>`` token stands for the i-th image."""
@@ -196,6 +215,34 @@ class VllmEncoder:
         if self.captioner is not None:
             self.captioner.shutdown()
         self.core.shutdown()
+
+
+def check_quantized(folder: str, dtype: str, weights_read: bool = True, declared: str = "none") -> None:
+    """Refuses at start, naming the setting or the tensor, a quantized text encoder (its config.json's
+    ``quantization_config``: AWQ such as ``Qwen/Qwen2.5-VL-7B-Instruct-AWQ``, GPTQ) that vLLM would refuse less
+    clearly: activations in a dtype its kernels do not take (vLLM's AWQ and GPTQ take bfloat16 and float16, on the CPU
+    too), or, when the weights are read, an AWQ folder whose tensors disagree with its ``quantization_config`` (a cut
+    file, another group size: ``checkpoints.awq.check_layout``); and one that is not what ``encoder.quantization``
+    (``declared``) says, which the placement check counted. vLLM detects the quantization itself."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from omni_ray.checkpoints import awq
+
+    quantization = awq.read_quantization(folder)
+    method = quantization.get("quant_method") if quantization else None
+    if declared != "none" and method != declared:
+        raise ValueError(f"encoder.quantization: {declared}, but the text encoder in {folder} is "
+                         f"{method or 'not quantized'} (its config.json's quantization_config)")
+    if quantization is None or quantization.get("quant_method") not in QUANTIZATION_METHODS:
+        return
+    method = quantization["quant_method"]
+    supported = get_quantization_config(method).get_supported_act_dtypes()
+    if getattr(torch, dtype) not in supported:
+        names = " or ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ValueError(f"encoder.dtype: {dtype}, but the text encoder in {folder} is {method}-quantized "
+                         f"(its config.json's quantization_config), whose kernels take {names} activations")
+    if method == "awq" and weights_read:
+        awq.check_layout(folder, quantization)
 
 
 def _loopback_executor(uniproc_executor: type) -> type:
