@@ -143,9 +143,11 @@ def quantize_state(state: dict[str, torch.Tensor], group_size: int) -> dict[str,
     return out
 
 
-def dequantized_state(folder: str | pathlib.Path) -> dict[str, torch.Tensor]:
+def dequantized_state(folder: str | pathlib.Path, dequantize=dequantize,
+                      suffixes: tuple[str, ...] = QUANTIZED_SUFFIXES) -> dict[str, torch.Tensor]:
     """An AWQ text encoder folder's weights as a full-precision Qwen2.5-VL state dict in float32: each quantized
-    Linear's ``weight`` dequantized, every other tensor as stored. What the checkpoint computes, for a reference."""
+    Linear's ``weight`` dequantized, every other tensor as stored. What the checkpoint computes, for a reference.
+    (``dequantize`` of a Linear's ``suffixes`` tensors, in that order: another layout's, GPTQ's.)"""
     from safetensors.torch import load_file
 
     stored = {}
@@ -155,8 +157,8 @@ def dequantized_state(folder: str | pathlib.Path) -> dict[str, torch.Tensor]:
     for name, tensor in stored.items():
         module, _, suffix = name.rpartition(".")
         if suffix == "qweight":
-            state[f"{module}.weight"] = dequantize(tensor, stored[f"{module}.qzeros"], stored[f"{module}.scales"])
-        elif suffix not in QUANTIZED_SUFFIXES:
+            state[f"{module}.weight"] = dequantize(*(stored[f"{module}.{s}"] for s in suffixes))
+        elif suffix not in suffixes:
             state[name] = tensor.float()
     return state
 

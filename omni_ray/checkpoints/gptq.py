@@ -18,6 +18,7 @@ import argparse
 import pathlib
 from typing import TYPE_CHECKING
 
+from omni_ray.checkpoints import awq
 from omni_ray.checkpoints.awq import BITS, KEPT_DTYPE, MAX_LEVEL, PACK, QUANTIZED, link_parts, write_quantized
 
 if TYPE_CHECKING:
@@ -94,19 +95,7 @@ def quantize_state(state: dict[str, torch.Tensor], group_size: int) -> dict[str,
 def dequantized_state(folder: str | pathlib.Path) -> dict[str, torch.Tensor]:
     """A GPTQ text encoder folder's weights as a full-precision state dict in float32 (``awq.write_dequantized``
     writes it for a reference)."""
-    from safetensors.torch import load_file
-
-    stored = {}
-    for path in sorted(pathlib.Path(folder).glob("*.safetensors")):
-        stored.update(load_file(path))
-    state = {}
-    for name, tensor in stored.items():
-        module, _, suffix = name.rpartition(".")
-        if suffix == "qweight":
-            state[f"{module}.weight"] = dequantize(*(stored[f"{module}.{s}"] for s in SUFFIXES))
-        elif suffix not in SUFFIXES:
-            state[name] = tensor.float()
-    return state
+    return awq.dequantized_state(folder, dequantize, SUFFIXES)
 
 
 def write(checkpoint: str | pathlib.Path, out: str | pathlib.Path, group_size: int = 128) -> pathlib.Path:
