@@ -382,9 +382,12 @@ class CrossEngineCoordinator(LiveDeployment):
                 f"{plan.timeout_s:g} s deadline (timeout)", retry_after_s=estimate - budget, stage="dit")
 
     async def events(self, plan: GenerationPlan, request_id: str) -> AsyncIterator[RequestEvent]:
-        """The request's event stream over the stages, counted and logged."""
+        """The request's event stream over the stages, counted and logged. A request that fails or is left by its
+        client gives up what its admission reserved at the DiT and its calls never took (a reservation otherwise
+        counts in the replica's estimates until the request's deadline)."""
         start = time.perf_counter()
         self.in_flight += 1
+        finished = False
         try:
             async for event in tracing.traced_request(run_request(self.stages, plan, request_id, self.config.requests),
                                                       plan, request_id):
@@ -396,9 +399,12 @@ class CrossEngineCoordinator(LiveDeployment):
                     yield event
                     return
                 yield event
+            finished = True
         finally:
             self.in_flight -= 1
             self.served += 1
+            if not finished:
+                self.stages.release(request_id)
         seconds = time.perf_counter() - start
         metrics.request_latency.observe(seconds, tags=COORDINATOR)
         metrics.images_generated.inc(plan.request.n, tags=COORDINATOR)

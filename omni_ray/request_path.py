@@ -104,8 +104,8 @@ class Stages(ABC, Generic[Handle]):
         return None
 
     def release(self, request_id: str) -> None:
-        """Gives up what ``estimate`` reserved for a request admitted under ``request_id`` that will not run (its
-        key's quota refused it); a no-op when nothing was reserved."""
+        """Gives up what ``estimate`` reserved for a request admitted under ``request_id`` that will not run, or not
+        all of it (its key's quota refused it, it failed, its client left); a no-op when nothing is reserved."""
 
     @abstractmethod
     async def check_lora(self, path: str) -> LoraEntry:

@@ -201,3 +201,16 @@ def test_a_request_refused_by_its_quota_after_admission_gives_up_its_dit_reserva
     refused = http.post("/v1/images/generations", json=BODY, headers=keyed(KEYS[0]))
     assert_refused(refused, "requests", "Limit 1, Used 1")
     assert len(stages.reserved) == 2 and stages.released == [stages.reserved[1]]
+
+
+def test_a_request_that_fails_gives_up_its_dit_reservation(config):
+    """Admitted, then failed before its denoise calls took the reservation up: left, the reservation would count in
+    the replica's estimates until the request's deadline (a served module's earlier failures once made its later
+    requests 503 "the DiT would finish this request in about 593 s")."""
+    stages = ReservingStages()
+    http = client(config, "default: rpm=100", stages)
+    assert http.post("/v1/images/generations", json=BODY, headers=keyed(KEYS[0])).status_code == 200
+    assert stages.released == []
+    stages.fail = {"denoise": RuntimeError("the DiT fell over")}
+    assert http.post("/v1/images/generations", json=BODY, headers=keyed(KEYS[0])).status_code == 500
+    assert len(stages.reserved) == 2 and stages.released == [stages.reserved[1]]
