@@ -45,7 +45,7 @@ class BlockStreamer:
         self.fetches = 0  # streamed blocks copied in
         self.bytes_per_pass = 0  # a forward's copies, every streamed block once
         for index in self.streamed:
-            self.host[index] = to_host(blocks[index], device=self.device)
+            self.host[index] = park(blocks[index], device=self.device)
             self.bytes_per_pass += sum(t.numel() * t.element_size() for _, _, t in self.host[index])
             blocks[index].register_forward_pre_hook(lambda _, __, i=index: self._starting(i))
             blocks[index].register_forward_hook(lambda _, __, ___, i=index: self._ended(i))
@@ -121,7 +121,7 @@ def stream_blocks(transformer: nn.Module, resident: int, device: torch.device | 
 Parked = list[tuple[nn.Module, str, torch.Tensor]]  # each tensor's owner, its name there, and its host copy
 
 
-def to_host(*modules: nn.Module, device: torch.device) -> Parked:
+def park(*modules: nn.Module, device: torch.device) -> Parked:
     """Moves the modules' weights (parameters and buffers; a submodule they share once) to host memory (pinned, for
     a CUDA ``device``), leaving empty tensors of their dtype on the device."""
     held, seen = [], set()
@@ -174,7 +174,7 @@ class ParkedWeights:
         if self.away:
             return
         if self.host is None:
-            self.host = to_host(*self.modules, device=self.device)
+            self.host = park(*self.modules, device=self.device)
         else:
             leave_empty(self.host, self.device)
         self.away = True
