@@ -36,7 +36,7 @@ import time
 
 from benchmarks import write_report
 from omni_ray.checkpoints.full_size import BASE_CONFIGS, CONFIG_DIR, published_configs
-from omni_ray.qwen_image import LATENT_CHANNELS, PUBLISHED_PARAMS, TEXT_HIDDEN, image_tokens
+from omni_ray.families.qwen_image.facts import LATENT_CHANNELS, PUBLISHED_PARAMS, TEXT_HIDDEN, image_tokens
 from omni_ray.runners.gpu_costs import dit_pass_flops
 from testing.full_size import parameter_counts
 

@@ -649,9 +649,9 @@ def condition_cache(stage_config: dict, side: int, steps: int) -> dict:
 
     from omni_ray import checkpoints
     from omni_ray.config import parse_config
-    from omni_ray.qwen_image21 import vision_slots
+    from omni_ray.families.qwen_image_2_1.denoise import Denoise21Runner
+    from omni_ray.families.qwen_image_2_1.facts import vision_slots
     from omni_ray.records import DenoiseParams, Latents, PromptEmbeds
-    from omni_ray.runners.denoise21 import Denoise21Runner
 
     config = checkpoints.ensure(parse_config(stage_config))
     dtype, device = getattr(torch, config.dit.dtype), config.dit.device
@@ -768,7 +768,7 @@ def _dit_steps(checkpoint: str, weights_file: str, cap_gib: float | None, kept: 
     import torch
 
     from benchmarks.gpu import timed
-    from omni_ray.qwen_image import NUM_BLOCKS
+    from omni_ray.families.qwen_image.facts import NUM_BLOCKS
     from omni_ray.records import DenoiseParams, PromptEmbeds
     from omni_ray.runners.denoise import DenoiseRunner
 

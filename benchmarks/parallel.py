@@ -103,7 +103,7 @@ def tiny_shapes(model: str, height: int, width: int):
     """``traffic.Shapes`` of the checkpoint's transformer at a size, float32, the CPU runs' prompt length."""
     import json
 
-    from omni_ray.qwen_image import latent_grid
+    from omni_ray.families.qwen_image.facts import latent_grid
     from omni_ray.runners.parallel.traffic import Shapes
 
     config = json.loads((pathlib.Path(model) / "transformer" / "config.json").read_text())

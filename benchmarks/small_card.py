@@ -25,7 +25,7 @@ import argparse
 import pathlib
 
 from benchmarks import write_report
-from omni_ray.qwen_image import GGUF_BYTES, NUM_BLOCKS
+from omni_ray.families.qwen_image.facts import GGUF_BYTES, NUM_BLOCKS
 
 HOST_LINK_BPS = 25e9
 CARDS = {  # name: (memory GiB, compute seconds of one 1024x1024 true-CFG Q4_K step)

@@ -63,7 +63,7 @@ def run(size: str, width: int, height: int, batches: list[int], repeats: int) ->
     from PIL import Image
 
     from benchmarks.engine_throughput import machine
-    from omni_ray.qwen_image import LATENT_CHANNELS, image_tokens
+    from omni_ray.families.qwen_image.facts import LATENT_CHANNELS, image_tokens
     from omni_ray.records import Latents
     from omni_ray.runners.packing import unpack_latents
     from omni_ray.runners.vae import VaeRunner

@@ -23,19 +23,18 @@ from pydantic import (
     model_validator,
 )
 
-from omni_ray.placement import check_placement
-from omni_ray.qwen_image import (
+from omni_ray.families import FAMILIES, family_of
+from omni_ray.families.qwen_image.facts import (
     CONDITION_AREA,
     QWEN_IMAGE_TEACACHE,
     TEXT_TO_IMAGE,
     TOKENIZER_MAX_LENGTH,
     VAE_COMPRESSION,
     PromptTemplate,
-    VisionPatches,
-    check_side,
     template_for,
 )
-from omni_ray.qwen_image_layered import CAPTION_MAX_TOKENS
+from omni_ray.families.qwen_image_layered.facts import CAPTION_MAX_TOKENS
+from omni_ray.placement import check_placement
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -355,9 +354,9 @@ class DiTConfig(_StageConfig):
         None,
         description="qwen-image-2.1: bytes the admitted requests' condition caches may take together (keys and "
         "values of each request's text and condition-image tokens in every block, per CFG branch, kept from its "
-        "first step to its last, paused or not: omni_ray.qwen_image21.cache_bytes); a request whose cache would pass "
-        "it waits in the queue until others finish, and one whose cache alone passes it fails. Unset, no bound. The "
-        "stage's stats report the bytes held.",
+        "first step to its last, paused or not: omni_ray.families.qwen_image_2_1.facts.cache_bytes); a request "
+        "whose cache would pass it waits in the queue until others finish, and one whose cache alone passes it "
+        "fails. Unset, no bound. The stage's stats report the bytes held.",
     )
     priority_aging_s: float = Field(
         120.0, gt=0, description="A request's priority improves by one level for every this many seconds it sat out "
@@ -633,9 +632,7 @@ class RequestLimits(_Frozen):
     def _check_sizes(self) -> RequestLimits:
         if self.min_side > self.max_side:
             raise ValueError(f"min_side ({self.min_side}) exceeds max_side ({self.max_side})")
-        for name in ("default_width", "default_height", "min_side", "max_side"):
-            check_side(name, getattr(self, name))
-        for name in ("default_width", "default_height"):
+        for name in ("default_width", "default_height"):  # each a multiple of its family's side (Family.check_preset)
             if not self.min_side <= getattr(self, name) <= self.max_side:
                 raise ValueError(f"{name} is outside min_side..max_side")
         return self
@@ -678,17 +675,17 @@ class PipelineConfig(_Frozen):
         "dummy`. The app builder, the in-process pipeline and `make` write it (omni_ray.checkpoints.ensure); "
         "loading a preset never does.",
     )
-    family: Literal["qwen-image", "qwen-image-2.1", "qwen-image-layered"] = Field(
+    family: str = Field(
         "qwen-image",
-        description="The model family the checkpoint belongs to. qwen-image: Qwen-Image, Edit and their releases "
-        "(QwenImagePipeline and its edit pipelines; Qwen2.5-VL, the 20 B dual-stream transformer, the 8x VAE). "
-        "qwen-image-2.1: Qwen-Image 2.1 (QwenImage21Pipeline; Qwen3-VL, the 7 B single-stream block-causal "
-        "transformer whose condition keys and values each request keeps across its steps, the 16x RGBA VAE): it "
-        "serves /v1/images/generations, and /v1/images/edits with 1 to edit.max_images condition images when `edit` "
-        "is set (omni_ray/qwen_image21.py). qwen-image-layered: Qwen-Image-Layered (QwenImageLayeredPipeline; "
-        "Qwen-Image's architecture with a layer axis in its rotary embedding and an RGBA VAE): it serves "
-        "/v1/images/edits with one input image, decomposed into RGBA layers; `edit` must be set "
-        "(omni_ray/qwen_image_layered.py).",
+        description="The model family the checkpoint belongs to, one of omni_ray.families.FAMILIES (each a package "
+        "under omni_ray/families/). qwen-image: Qwen-Image, Edit and their releases (QwenImagePipeline and its edit "
+        "pipelines; Qwen2.5-VL, the 20 B dual-stream transformer, the 8x VAE). qwen-image-2.1: Qwen-Image 2.1 "
+        "(QwenImage21Pipeline; Qwen3-VL, the 7 B single-stream block-causal transformer whose condition keys and "
+        "values each request keeps across its steps, the 16x RGBA VAE): it serves /v1/images/generations, and "
+        "/v1/images/edits with 1 to edit.max_images condition images when `edit` is set. qwen-image-layered: "
+        "Qwen-Image-Layered (QwenImageLayeredPipeline; Qwen-Image's architecture with a layer axis in its rotary "
+        "embedding and an RGBA VAE): it serves /v1/images/edits with one input image, decomposed into RGBA layers; "
+        "`edit` must be set.",
     )
     sample_sigmas: tuple[Annotated[float, Field(gt=0, le=1)], ...] | None = Field(
         None, min_length=1,
@@ -759,6 +756,13 @@ class PipelineConfig(_Frozen):
         "(omni_ray/engine/card.py). Unset, each stage keeps all it uses.",
     )
 
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, family: str) -> str:
+        if family not in FAMILIES:
+            raise ValueError(f"one of {', '.join(FAMILIES)}, got {family!r}")
+        return family
+
     @model_validator(mode="after")
     def _check_stages(self) -> PipelineConfig:
         for stage_name in ("encoder", "dit", "vae"):
@@ -777,18 +781,7 @@ class PipelineConfig(_Frozen):
             raise ValueError(f"vae.parallel.patches ({self.vae.parallel.patches}) exceeds the latent rows of the "
                              f"smallest image ({fewest_rows}: requests.min_side / {VAE_COMPRESSION}); each rank "
                              "decodes one row at least")
-        if self.family == "qwen-image" and self.edit is not None and self.edit.max_images > 1 and not self.edit.plus:
-            raise ValueError("edit.max_images: Qwen-Image-Edit takes one image; several need an Edit-Plus checkpoint "
-                             "(plus: true) or family qwen-image-2.1")
-        if self.family == "qwen-image-2.1":
-            self._check_family_21()
-        elif self.sample_sigmas is not None or self.dit.cache_memory_bytes is not None:
-            raise ValueError("sample_sigmas and dit.cache_memory_bytes are Qwen-Image 2.1's (family: qwen-image-2.1)")
-        if self.family == "qwen-image-layered":
-            self._check_family_layered()
-        elif self.edit is not None and self.edit.resolutions is not None:
-            raise ValueError("edit.resolutions: resolution buckets are Qwen-Image-Layered's (family: "
-                             "qwen-image-layered)")
+        family_of(self).check_preset(self)
         if self.build_if_missing == "dummy" and self.weights != "dummy":
             raise ValueError("build_if_missing: dummy writes no weights; set weights: dummy")
         if self.encoder.quantization != "none" and self.encoder.runner != "model":
@@ -836,71 +829,10 @@ class PipelineConfig(_Frozen):
                 raise ValueError(f"card.stages: {name}.parallel spreads the {name} over several GPUs; a stage on "
                                  "one card runs on it alone")
 
-    def _check_family_21(self) -> None:
-        """What a Qwen-Image 2.1 preset cannot ask for: Edit-Plus's settings, and the Qwen-Image DiT's features the
-        2.1 runner does not have."""
-        from omni_ray import qwen_image21
-
-        if self.edit is not None and self.edit.plus:
-            raise ValueError("edit.plus: Edit-Plus is Qwen-Image's; Qwen-Image 2.1 takes several images without it")
-        if self.dit.cache is not None:
-            raise ValueError("dit.cache: cache acceleration is Qwen-Image's; Qwen-Image 2.1 caches its condition's "
-                             "keys and values instead (dit.cache_memory_bytes)")
-        not_yet = {  # what the Qwen-Image runners have and the 2.1 ones do not yet
-            "dit.compile": self.dit.compile, "dit.quantization": self.dit.quantization != "none",
-            "dit.weights_file": self.dit.weights_file is not None, "dit.offload": self.dit.offload is not None,
-            "dit.parallel": self.dit.parallel.world_size > 1, "vae.parallel": self.vae.parallel.world_size > 1,
-            "vae.tiling": self.vae.tiling, "controlnets": bool(self.controlnets),
-            "runner": "simulated" in (self.encoder.runner, self.dit.runner, self.vae.runner),
-        }
-        for name, asked in not_yet.items():
-            if asked:
-                raise ValueError(f"{name}: not available for Qwen-Image 2.1 yet (docs/qwen-image-2.1.md)")
-        for name in ("default_width", "default_height", "min_side", "max_side"):
-            try:
-                qwen_image21.check_side(f"requests.{name}", getattr(self.requests, name))
-            except ValueError as err:
-                raise ValueError(str(err)) from None
-        if self.build_if_missing == "dummy" and self.configs != "qwen-image-2.1":
-            raise ValueError("configs: a Qwen-Image 2.1 dummy checkpoint is written from qwen-image-2.1's configs")
-
-    def _check_family_layered(self) -> None:
-        """What a Qwen-Image-Layered preset must have (``edit``: it decomposes one input image) and cannot ask
-        for: Edit-Plus's settings, and what its runners do not have."""
-        from omni_ray import qwen_image_layered
-
-        if self.edit is None:
-            raise ValueError("edit: Qwen-Image-Layered decomposes an input image (it serves /v1/images/edits); set "
-                             "`edit`")
-        if self.edit.plus or self.edit.max_images != 1:
-            raise ValueError("edit.max_images: Qwen-Image-Layered takes one input image, without Edit-Plus (plus: "
-                             "false, max_images: 1)")
-        if self.edit.resolutions is None:
-            raise ValueError("edit.resolutions: Qwen-Image-Layered sizes its input image by resolution bucket; set "
-                             "them (the pipeline's: [640, 1024])")
-        not_yet = {  # what the Qwen-Image runners have and the layered path does not (yet)
-            "controlnets": bool(self.controlnets),
-            "dit.compile": self.dit.compile,  # its warm-up steps plain requests, which a layered replica refuses
-            "dit.quantization": self.dit.quantization != "none",
-            "dit.parallel": self.dit.parallel.world_size > 1, "vae.parallel": self.vae.parallel.world_size > 1,
-            "vae.tiling": self.vae.tiling,
-            "runner": "simulated" in (self.encoder.runner, self.dit.runner, self.vae.runner),
-        }
-        for name, asked in not_yet.items():
-            if asked:
-                raise ValueError(f"{name}: not available for {qwen_image_layered.FAMILY} yet")
-        if self.build_if_missing == "dummy" and self.configs != qwen_image_layered.FAMILY:
-            raise ValueError("configs: a Qwen-Image-Layered dummy checkpoint is written from qwen-image-layered's "
-                             "configs")
-
     @property
     def pipeline(self) -> str:
-        """diffusers' pipeline class the checkpoint must be."""
-        if self.family == "qwen-image-layered":
-            return "QwenImageLayeredPipeline"
-        if self.family == "qwen-image-2.1":
-            return "QwenImage21Pipeline"
-        return self.edit.pipeline if self.edit is not None else "QwenImagePipeline"
+        """diffusers' pipeline class the checkpoint must be (the family's)."""
+        return family_of(self).pipeline(self)
 
     @property
     def prompt_template(self) -> PromptTemplate:
@@ -992,7 +924,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
     if config.build_if_missing and not model_dir.exists():
         return config
     check_checkpoint(config, source)
-    return with_sample_sigmas(config)
+    return with_checkpoint_settings(config)
 
 
 def inpaint_controlnets(config: PipelineConfig) -> list[str]:
@@ -1011,14 +943,10 @@ def inpaint_controlnets(config: PipelineConfig) -> list[str]:
     return found
 
 
-def with_sample_sigmas(config: PipelineConfig) -> PipelineConfig:
-    """A Qwen-Image 2.1 preset without ``sample_sigmas``, given its local checkpoint's (``model_index.json``'s), as
-    the pipeline reads them; any other preset as it is."""
-    index = pathlib.Path(config.model) / "model_index.json"
-    if config.family != "qwen-image-2.1" or config.sample_sigmas is not None or not index.is_file():
-        return config
-    sigmas = json.loads(index.read_text()).get("sample_sigmas")
-    return config.model_copy(update={"sample_sigmas": tuple(sigmas)}) if sigmas else config
+def with_checkpoint_settings(config: PipelineConfig) -> PipelineConfig:
+    """The preset with what its local checkpoint fixes and the preset left out (Qwen-Image 2.1's ``sample_sigmas``),
+    as its family reads them."""
+    return family_of(config).with_checkpoint_settings(config)
 
 
 def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
@@ -1033,39 +961,21 @@ def check_checkpoint(config: PipelineConfig, source: str = "<config>") -> None:
         )
     pipeline = json.loads(index.read_text()).get("_class_name")
     expected = config.pipeline
-    families = {"QwenImage21Pipeline": "qwen-image-2.1", "QwenImageLayeredPipeline": "qwen-image-layered"}
-    for family_pipeline, family in families.items():
-        if pipeline != expected and family_pipeline in (pipeline, expected):
-            raise ConfigError(
-                f"{source}: family: {config.family!r}, but model: {config.model!r} is a {pipeline} checkpoint (a "
-                f"{expected} one is needed; family {family} is for {family_pipeline} checkpoints)"
-            )
-    if config.family == "qwen-image-2.1" and config.edit is not None:
-        check_vision_floor(config, source)
+    family = family_of(config)
+    owner = next((family_of(name) for name in FAMILIES if pipeline in family_of(name).pipelines), None)
+    if pipeline != expected and owner is not None and owner is not family:  # another family's checkpoint
+        raise ConfigError(
+            f"{source}: family: {config.family!r}, but model: {config.model!r} is a {pipeline} checkpoint (a "
+            f"{expected} one is needed; family {family.name} is for {', '.join(family.pipelines)} checkpoints, "
+            f"family {owner.name} for {pipeline})"
+        )
+    family.check_checkpoint(config, source)
     if pipeline != expected:
         raise ConfigError(
             f"{source}: model: {config.model!r} is a {pipeline} checkpoint, but this preset "
             f"{'edits' if config.edit is not None else 'generates'} images and needs a {expected} one "
             f"(`edit:` is set for Qwen-Image-Edit checkpoints only, `edit.plus` for Edit-2509/2511's)"
         )
-
-
-def check_vision_floor(config: PipelineConfig, source: str = "<config>") -> None:
-    """Raises ConfigError naming ``edit.image_area`` when Qwen-Image 2.1's condition images, at that working area, are
-    below the pixels Qwen3-VL's processor takes (it would read them larger than their latents: one vision token no
-    longer stands for one 32x32 tile)."""
-    folder = pathlib.Path(config.model) / "processor"
-    if (folder / "preprocessor_config.json").is_file():  # as the published checkpoints have it
-        settings = json.loads((folder / "preprocessor_config.json").read_text())
-    elif (folder / "processor_config.json").is_file():  # as transformers 5 writes one
-        settings = json.loads((folder / "processor_config.json").read_text()).get("image_processor", {})
-    else:
-        return
-    floor = VisionPatches.from_config(settings).min_pixels
-    if config.edit.image_area < floor:
-        raise ConfigError(f"{source}: edit.image_area: {config.edit.image_area} pixels is below the {floor} Qwen3-VL's "
-                          f"processor takes ({config.model}/processor); condition images would not line up with "
-                          "their latents")
 
 
 def field_errors(err: ValidationError, unknown: str = "unknown field") -> list[tuple[str | None, str]]:

@@ -18,22 +18,8 @@ the per-image activation figures measured on an H100 (benchmarks/results/gpu.jso
 The largest image is ``requests.max_side`` squared. These are estimates, not guarantees: they refuse what cannot
 fit and leave what may fit to a run.
 
-A Qwen-Image 2.1 preset (``family: qwen-image-2.1``) is estimated from 2.1's published parameter counts
-(``qwen_image21.PUBLISHED_PARAMS``) and figures **scaled from Qwen-Image's measured ones, not measured on 2.1**:
-
-- DiT: the weights; a step's activations at 1.5x Qwen-Image's per token (1.2 GiB over a 1328x1328 true-CFG
-  request's 2 x (6,889 + 64) tokens, 90 KiB a token; 2.1's SwiGLU MLP holds three 12,288-wide tensors a token where
-  Qwen-Image's GELU MLP holds two, and its width is 4,096 against 3,072), for the tokens a step holds: each row's two
-  passes of its image at the largest size and its condition block (``encoder.max_model_len`` tokens, with an edit's
-  ``edit.max_images`` images at ``edit.image_area`` widened from one vision slot to four latent tokens each), times
-  ``dit.max_batch_size`` rows, or ``dit.max_batch_tokens`` where it binds; and on top, the condition caches'
-  budget ``dit.cache_memory_bytes`` (unset: the caches of the rows a step holds, each at the largest condition with
-  true CFG: ``qwen_image21.cache_bytes``). A gang is estimated whole on every rank (an upper bound);
-- VAE: its weights, and 6.0 GiB per megapixel (Qwen-Image's 4.0 times 1.5: the decoder's full- and half-resolution
-  stages are 144 and 288 channels wide against 96 and 192) times ``vae.max_batch_size``, at the larger of the
-  largest output and an edit's condition image;
-- encoder: Qwen3-VL-8B's weights (the vision tower's for edits, or always on the transformers runner), vLLM's KV cache,
-  and 2.3 GiB of activations and workspace (Qwen-Image's 2 GiB times the hidden widths' 4,096 / 3,584).
+A family with other sizes estimates its own (``Family.stage_memory``: Qwen-Image 2.1's is
+omni_ray/families/qwen_image_2_1/placement.py).
 
 Stages sharing one card (``card.stages``, omni_ray/engine/card.py) take turns on it: the card must hold what each
 keeps between its turns (the DiT all of its estimate, the VAE its weights, the encoder its CUDA context and vLLM's KV
@@ -57,8 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_ray import qwen_image21
-from omni_ray.qwen_image import (
+from omni_ray.families import family_of
+from omni_ray.families.qwen_image.facts import (
     BLOCK_LINEAR_PARAMS,
     FP8_PARAMS,
     GGUF_BYTES,
@@ -78,12 +64,9 @@ DIT_GIB_PER_REQUEST_1328 = 1.2  # measured: peak at b=8 minus b=1, over 7, on an
 VAE_GIB_PER_MEGAPIXEL = 4.0  # measured: 7.0 GiB to decode one 1328x1328 image
 ENCODER_ACTIVATIONS_GIB = 2.0
 VAE_TILING_SAVES = 3.0  # vae.tiling decodes in bands: about a third of the activations (its field's description)
-# Qwen-Image 2.1's, scaled from the measured figures above (the module's docstring says how), not measured.
-DIT_GIB_PER_TOKEN_1328 = DIT_GIB_PER_REQUEST_1328 / (2 * (image_tokens(1328, 1328) + 64))  # gpu.json: 64 text tokens
-DIT21_GIB_PER_TOKEN = 1.5 * DIT_GIB_PER_TOKEN_1328
-DIT21_LAYERS, DIT21_INNER_DIM = 32, 4096  # the published transformer's blocks and width (model_configs/qwen-image-2.1)
-VAE21_GIB_PER_MEGAPIXEL = VAE_GIB_PER_MEGAPIXEL * 144 / 96
-ENCODER21_ACTIVATIONS_GIB = ENCODER_ACTIVATIONS_GIB * 4096 / 3584
+# A request's activations per token (gpu.json's 1328x1328 true-CFG request, 64 text tokens): what other families'
+# estimates scale from.
+DIT_GIB_PER_TOKEN_1328 = DIT_GIB_PER_REQUEST_1328 / (2 * (image_tokens(1328, 1328) + 64))
 
 
 @dataclass(frozen=True)
@@ -100,9 +83,14 @@ class StageMemory:
 
 
 def stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
-    """The estimate for each GPU stage of ``config`` (a PipelineConfig) against its share of one GPU."""
-    if config.family == qwen_image21.FAMILY:
-        return stage_memory_21(config, gpu_memory_gib)
+    """The estimate for each GPU stage of ``config`` (a PipelineConfig) against its share of one GPU, as its family
+    makes it."""
+    return family_of(config).stage_memory(config, gpu_memory_gib)
+
+
+def qwen_image_stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
+    """The estimate of a preset of Qwen-Image's architecture (Qwen-Image, its Edit releases, Layered): the module's
+    docstring says how each is made."""
     side = config.requests.max_side
     pixels = side * side
     out = []
@@ -234,90 +222,6 @@ def vae_untiled_pixels(config, gpu_memory_gib: float | None) -> int:
     free_gib = (stage.deployment.num_gpus * gpu_memory_gib - PUBLISHED_PARAMS["vae"] * BYTES_PER_PARAM[stage.dtype]
                 / GIB - CONTEXT_GIB)
     return max(int(free_gib / VAE_GIB_PER_MEGAPIXEL * 1e6), 256 * 256)
-
-
-def stage_memory_21(config, gpu_memory_gib: float) -> list[StageMemory]:
-    """The estimate for each GPU stage of a Qwen-Image 2.1 preset against its share of one GPU (the module's
-    docstring says how each is made)."""
-    side = config.requests.max_side
-    out = []
-    for name in ("encoder", "dit", "vae"):
-        stage = getattr(config, name)
-        if stage.deployment.num_gpus == 0 or stage.runner not in ("model", "transformers"):
-            continue
-        width = BYTES_PER_PARAM[stage.dtype]
-        if name == "encoder":
-            vllm = stage.runner == "model"  # transformers loads the vision tower always, and keeps no KV cache
-            params = qwen_image21.PUBLISHED_PARAMS["text_encoder"] - (
-                qwen_image21.VISION_PARAMS if vllm and config.edit is None else 0)
-            weights = params * width / GIB
-            extra = (stage.kv_cache_memory_bytes / GIB if vllm else 0) + ENCODER21_ACTIVATIONS_GIB
-            detail = f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB of KV cache and work"
-        elif name == "dit":
-            weights = qwen_image21.PUBLISHED_PARAMS["transformer"] * width / GIB
-            row, rows = dit21_row_tokens(config), dit21_rows(config)
-            activations = dit21_step_tokens(config) * DIT21_GIB_PER_TOKEN
-            budget = stage.cache_memory_bytes
-            caches = (budget if budget is not None else rows * dit21_request_cache_bytes(config, width)) / GIB
-            extra = activations + caches
-            held = "dit.cache_memory_bytes" if budget is not None else f"{rows} rows' caches"
-            detail = (f"{weights:.1f} GiB of {stage.dtype} weights, {activations:.1f} GiB for a step of up to {rows} "
-                      f"request{'s' if rows != 1 else ''} of {row} tokens at {side}x{side} (scaled from "
-                      f"Qwen-Image's), {caches:.1f} GiB of condition caches ({held})")
-        else:
-            weights = qwen_image21.PUBLISHED_PARAMS["vae"] * width / GIB
-            pixels = max(side * side, config.edit.image_area if config.edit is not None else 0)
-            extra = stage.max_batch_size * VAE21_GIB_PER_MEGAPIXEL * pixels / 1e6
-            count = stage.max_batch_size
-            detail = (f"{weights:.1f} GiB of {stage.dtype} weights, {extra:.1f} GiB to decode {count} "
-                      f"image{'s' if count != 1 else ''} at {side}x{side} (scaled from Qwen-Image's)")
-        need = weights + extra + CONTEXT_GIB
-        out.append(StageMemory(name, round(need, 1), round(stage.deployment.num_gpus * gpu_memory_gib, 1), detail))
-    return out
-
-
-def dit21_condition_tokens(config) -> int:
-    """The largest condition block a Qwen-Image 2.1 request brings: ``encoder.max_model_len`` tokens (the template,
-    prompt and image slots the encoder accepts), an edit's ``edit.max_images`` images at ``edit.image_area`` each
-    widened from its vision slots to four latent tokens a slot."""
-    images = ()
-    if config.edit is not None:
-        side = qwen_image21.working_size(1, 1, config.edit.image_area)
-        images = (side,) * config.edit.max_images
-    return qwen_image21.condition_tokens(config.encoder.max_model_len, images)
-
-
-def dit21_row_tokens(config) -> int:
-    """Tokens one true-CFG row of the largest Qwen-Image 2.1 request pushes through the transformer in its first step
-    (its later steps take the condition from its cache): two passes of its image at ``requests.max_side`` squared and
-    its condition block."""
-    side = config.requests.max_side
-    return 2 * (qwen_image21.image_tokens(side, side) + dit21_condition_tokens(config))
-
-
-def dit21_rows(config) -> int:
-    """The largest Qwen-Image 2.1 rows one DiT step may hold: ``max_batch_size``, fewer where ``max_batch_tokens``
-    binds (the first row always runs)."""
-    dit = config.dit
-    if dit.max_batch_tokens is None:
-        return dit.max_batch_size
-    return max(1, min(dit.max_batch_size, dit.max_batch_tokens // dit21_row_tokens(config)))
-
-
-def dit21_step_tokens(config) -> int:
-    """Tokens one Qwen-Image 2.1 DiT step may push through the transformer: ``max_batch_size`` of the largest rows,
-    or ``max_batch_tokens`` (the first row's, if more) where it binds."""
-    dit, row = config.dit, dit21_row_tokens(config)
-    if dit.max_batch_tokens is None:
-        return dit.max_batch_size * row
-    return min(dit.max_batch_size * row, max(dit.max_batch_tokens, row))
-
-
-def dit21_request_cache_bytes(config, dtype_bytes: int = 2) -> int:
-    """Bytes of the largest Qwen-Image 2.1 request's condition cache: its condition block's keys and values in every
-    block, for both CFG branches."""
-    return qwen_image21.cache_bytes(dit21_condition_tokens(config), DIT21_LAYERS, DIT21_INNER_DIM, dtype_bytes,
-                                    branches=2)
 
 
 def gguf_bytes(weights_file: str) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
 from omni_ray.config import CacheSettings
-from omni_ray.qwen_image import dit_work_tokens, inpaint_start
+from omni_ray.families.qwen_image.facts import dit_work_tokens, inpaint_start
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,16 +1,17 @@
 """The encoder stage's text side, without torch: Qwen-Image's prompt template around a prompt, its token ids, and
 the tokens an edit's images become, as diffusers' ``QwenImagePipeline`` and ``QwenImageEditPipeline`` build them in
-``encode_prompt``; Qwen-Image 2.1's raw template (``QwenImage21Pipeline._get_qwen_prompt_embeds``) with
-``Qwen21Tokenizer``. The coordinator counts a prompt's tokens with it (its replica loads no torch); the encoder's
+``encode_prompt`` (a family with a template of its own subclasses ``PromptTokenizer``: Qwen-Image 2.1's is in its
+package). The coordinator counts a prompt's tokens with it (its replica loads no torch); the encoder's
 engine core tokenizes with it. The torch side (the vision tower's inputs, the embeddings) is the encoder runners'.
-``tokenizer_for(config)`` picks the checkpoint's.
+``tokenizer_for(config)`` asks the preset's family for the checkpoint's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,12 +19,55 @@ import numpy as np
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 from transformers.utils import cached_file
 
-from omni_ray import qwen_image21, qwen_image_layered
-from omni_ray.qwen_image import TEXT_TO_IMAGE, TOKENIZER_MAX_LENGTH, PromptTemplate, VisionPatches
+from omni_ray.families import family_of
+from omni_ray.families.qwen_image.facts import TEXT_TO_IMAGE, TOKENIZER_MAX_LENGTH, PromptTemplate
+from omni_ray.families.qwen_image_layered import facts as qwen_image_layered
 from omni_ray.records import TokenCount
 
 if TYPE_CHECKING:
     from omni_ray.config import PipelineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class VisionPatches:
+    """Qwen2.5-VL's and Qwen3-VL's image processor settings (``processor/preprocessor_config.json``): how an image is
+    resized to whole merged patches within a pixel range, and so how many tokens it becomes."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+
+    @classmethod
+    def from_config(cls, config: dict) -> VisionPatches:
+        """The settings of a ``preprocessor_config.json``: ``size``'s edges, which ``min_pixels`` and
+        ``max_pixels`` override when given (as transformers reads older files)."""
+        size = config.get("size") or {}
+        return cls(config.get("patch_size", cls.patch_size), config.get("merge_size", cls.merge_size),
+                   config.get("min_pixels") or size.get("shortest_edge", cls.min_pixels),
+                   config.get("max_pixels") or size.get("longest_edge", cls.max_pixels))
+
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """The size the processor resizes an image to: each side rounded to whole merged patches, then scaled as
+        one (keeping the aspect) into ``min_pixels``..``max_pixels``, rounding down when shrinking and up when
+        growing."""
+        unit = self.patch_size * self.merge_size
+        rows, cols = round(height / unit) * unit, round(width / unit) * unit
+        if rows * cols > self.max_pixels:
+            scale = math.sqrt(height * width / self.max_pixels)
+            rows = max(unit, math.floor(height / scale / unit) * unit)
+            cols = max(unit, math.floor(width / scale / unit) * unit)
+        elif rows * cols < self.min_pixels:
+            scale = math.sqrt(self.min_pixels / (height * width))
+            rows, cols = math.ceil(height * scale / unit) * unit, math.ceil(width * scale / unit) * unit
+        return rows, cols
+
+    def tokens(self, height: int, width: int) -> int:
+        """The vision tokens an image of ``height`` x ``width`` pixels becomes: its patches, merged ``merge_size``
+        x ``merge_size``."""
+        rows, cols = self.resized(height, width)
+        return (rows // self.patch_size) * (cols // self.patch_size) // self.merge_size**2
+
 
 
 class PromptTokenizer:
@@ -72,46 +116,6 @@ class PromptTokenizer:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class RawTemplate:
-    """Qwen-Image 2.1's prompt template (``qwen_image21.template``): a raw string, not the chat template, the
-    condition images' labelled slots opening the user turn. It stands where a ``PromptTemplate`` stands."""
-
-    drop: int  # the chat template's system turn, in tokens: the pipeline's _drop_idx
-    truncates: ClassVar[bool] = False  # QwenImage21Pipeline cuts nothing
-    has_image: ClassVar[bool] = True  # up to MAX_IMAGES condition images, each one <|image_pad|> until expanded
-
-    def format(self, prompt: str, num_images: int = 0) -> str:
-        return qwen_image21.format_prompt(prompt, num_images)
-
-    @property
-    def key(self) -> str:
-        """What tells it from other templates (the prompt cache's salt): the family and its one-image form."""
-        return f"{qwen_image21.FAMILY}\0{qwen_image21.template(1)}"
-
-
-class Qwen21Tokenizer(PromptTokenizer):
-    """Qwen-Image 2.1's text side: the raw template per number of condition images, read by the tokenizer in the
-    checkpoint's ``processor/`` (Qwen3-VL's processor; there is no ``tokenizer/``).
-
-    ``tokenize`` gives one ``<|image_pad|>`` per image, which the vision path widens to the image's vision tokens (one
-    per 32x32 tile at a working size, ``image_tokens``); ``image_slots`` marks those tokens, after the system turn's
-    drop, as the pipeline's ``image_pad_mask``. The drop is counted as the pipeline counts it: the tokens the chat
-    template makes of the system message.
-    """
-
-    def __init__(self, model: str):
-        super().__init__(model, TEXT_TO_IMAGE, subfolder="processor")
-        self.template = RawTemplate(system_turn_tokens(self.tokenizer))
-        self.vision = VisionPatches.from_config(image_processor_config(model))
-
-    def image_slots(self, token_ids: list[int], image_sizes: tuple[tuple[int, int], ...] = ()) -> np.ndarray:
-        """Bool per token the encoder returns after the drop: True at the images' vision tokens (``token_ids`` as
-        ``tokenize`` gave them, each ``<|image_pad|>`` widened for the image of ``image_sizes`` it stands for)."""
-        ids = self.expand_images(token_ids, [self.image_tokens(*size) for size in image_sizes])
-        return np.asarray(ids[self.template.drop :], dtype=np.int64) == self.image_token_id
-
-
 class CaptionTokenizer:
     """Qwen-Image-Layered's caption side: the caption template's token ids (one ``<|image_pad|>``, which the vision
     path widens to the image's tokens as Qwen2.5-VL's processor does) and the generated ids back to text, both with
@@ -137,23 +141,9 @@ class CaptionTokenizer:
                                      clean_up_tokenization_spaces=False).strip()
 
 
-def system_turn_tokens(tokenizer) -> int:
-    """Tokens of the system turn Qwen-Image 2.1 drops, counted as ``QwenImage21Pipeline`` counts them: the chat
-    template applied to its system message (the template's own text, ``SYSTEM_TURN``, where the tokenizer has no
-    chat template)."""
-    message = [{"role": "system", "content": [{"type": "text", "text": qwen_image21.SYSTEM_PROMPT}]}]
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(message, tokenize=True, return_dict=False)
-        return len(ids[0] if ids and isinstance(ids[0], list) else ids)
-    return len(tokenizer(qwen_image21.SYSTEM_TURN).input_ids)
-
-
 def tokenizer_for(config: PipelineConfig) -> PromptTokenizer:
-    """The checkpoint's tokenizer: Qwen-Image 2.1's raw template (``family: qwen-image-2.1``), else the preset's
-    Qwen-Image template."""
-    if config.family == qwen_image21.FAMILY:
-        return Qwen21Tokenizer(config.model)
-    return PromptTokenizer(config.model, config.prompt_template)
+    """The checkpoint's tokenizer, as its family builds it (Qwen-Image's: the preset's prompt template)."""
+    return family_of(config).tokenizer(config)
 
 
 def image_processor_config(model: str) -> dict:

@@ -37,7 +37,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.engine.encoder_core import to_prompt_embeds
-from omni_ray.qwen_image import TEXT_TO_IMAGE, PromptTemplate, uses_true_cfg
+from omni_ray.families.qwen_image.facts import TEXT_TO_IMAGE, PromptTemplate, uses_true_cfg
 from omni_ray.records import DenoiseParams, PromptEmbeds
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.denoise_state import DenoiseState

@@ -33,8 +33,8 @@ from diffusers import QwenImagePipeline
 from omni_ray.checkpoints import awq, gptq
 from omni_ray.config import load_config
 from omni_ray.engine.builders import build_encoder_core
+from omni_ray.families.qwen_image.facts import PUBLISHED_PARAMS, QUANTIZABLE_PARAMS
 from omni_ray.placement import GIB, encoder_weights, stage_memory
-from omni_ray.qwen_image import PUBLISHED_PARAMS, QUANTIZABLE_PARAMS
 from omni_ray.records import EncodeRequest
 
 pytestmark = pytest.mark.vllm

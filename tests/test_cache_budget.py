@@ -9,7 +9,6 @@ import pytest
 import torch
 from test_schedulers import FakeRunner, assert_no_trace, request, run, step
 
-from omni_ray import qwen_image21
 from omni_ray.config import ConfigError, load_config
 from omni_ray.engine.async_engine import AsyncEngine
 from omni_ray.engine.builders import build_dit_core, condition_cache_size
@@ -19,6 +18,7 @@ from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.stats import ConditionCacheStats
 from omni_ray.errors import EngineError
+from omni_ray.families.qwen_image_2_1 import facts as qwen_image21
 from omni_ray.records import DenoiseParams, DenoiseRequest, PromptEmbeds
 
 

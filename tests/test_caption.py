@@ -16,10 +16,10 @@ from diffusers import QwenImageLayeredPipeline
 from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-from omni_ray import qwen_image_layered
 from omni_ray.config import load_config
-from omni_ray.engine import builders
 from omni_ray.engine.builders import build_encoder_core
+from omni_ray.families import family_of
+from omni_ray.families.qwen_image_layered import facts as qwen_image_layered
 from omni_ray.records import Caption, CaptionRequest, EncodeRequest
 from omni_ray.runners.simulated import SimulatedCaptioner
 from omni_ray.runners.transformers_encoder import TransformersCaptioner
@@ -49,7 +49,7 @@ def config(edit_dir):
 @pytest.fixture(scope="module")
 def core(config):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(builders, "CAPTION_IMAGE_PIXELS", CAPTION_PIXELS)
+        patch.setattr(family_of(config), "caption_image_pixels", CAPTION_PIXELS)
         core = build_encoder_core(config)
     yield core
     core.shutdown()

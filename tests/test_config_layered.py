@@ -12,7 +12,7 @@ from conftest import REPO
 from omni_ray.checkpoints import ensure
 from omni_ray.checkpoints.full_size import pipeline_class, published_configs
 from omni_ray.config import ConfigError, parse_config
-from omni_ray.qwen_image import TEXT_TO_IMAGE
+from omni_ray.families.qwen_image.facts import TEXT_TO_IMAGE
 
 PRESETS = REPO / "stage_configs"
 LAYERED_PRESETS = ("qwen_image_layered.yaml", "qwen_image_layered_dummy.yaml", "qwen_image_layered_tiny.yaml")

@@ -1,5 +1,5 @@
-"""Qwen-Image 2.1's DiT runner (omni_ray/runners/denoise21.py) on the tiny 2.1 checkpoint: equal to diffusers'
-QwenImage21Pipeline, step-level batching of different prompts over cached conditions, pausing, the condition cache
+"""Qwen-Image 2.1's DiT runner (omni_ray/families/qwen_image_2_1/denoise.py) on the tiny 2.1 checkpoint: equal to
+diffusers' QwenImage21Pipeline, step-level batching of different prompts over cached conditions, pausing, the condition cache
 freed when a request leaves, and LoRA adapters per row."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_ray import qwen_image21
 from omni_ray.config import ParallelSettings
+from omni_ray.families.qwen_image_2_1 import facts as qwen_image21
+from omni_ray.families.qwen_image_2_1.denoise import Denoise21Runner
 from omni_ray.records import DenoiseBatch, DenoiseParams, DenoiseRequest, Latents, LoraRef, PromptEmbeds
-from omni_ray.runners.denoise21 import Denoise21Runner
 from omni_ray.runners.lora import read_lora
 from omni_ray.runners.parallel.mesh import Mesh
 from testing.numerics import assert_reordered
@@ -41,7 +41,7 @@ def condition_images() -> list[Image.Image]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from omni_ray.checkpoints.tiny21 import write_checkpoint
+    from omni_ray.families.qwen_image_2_1.tiny import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny21", seed=0)
 

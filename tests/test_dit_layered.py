@@ -19,8 +19,8 @@ from PIL import Image
 
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
-from omni_ray.qwen_image import dit_work_tokens, image_tokens
-from omni_ray.qwen_image_layered import working_size
+from omni_ray.families.qwen_image.facts import dit_work_tokens, image_tokens
+from omni_ray.families.qwen_image_layered.facts import working_size
 from omni_ray.records import DenoiseParams, DenoiseRequest, Latents, PromptEmbeds
 from omni_ray.runners.denoise import DenoiseRunner
 from testing.numerics import assert_reordered

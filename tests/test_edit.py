@@ -17,7 +17,7 @@ from omni_ray.engine.core import EngineCore
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.errors import PayloadTooLargeError, RequestError
-from omni_ray.qwen_image import EDIT
+from omni_ray.families.qwen_image.facts import EDIT
 from omni_ray.records import DecodeRequest, DenoiseParams, DenoiseRequest, ImageEncodeRequest
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.vae import VaeRunner
@@ -208,12 +208,11 @@ def test_an_oversized_image_is_a_413(config):
 
 
 def test_image_tokens_counted_without_torch_are_qwen_vl_processors(edit_dir):
-    """The coordinator counts an image's vision tokens without torch (``qwen_image.VisionPatches``): the same counts
+    """The coordinator counts an image's vision tokens without torch (``tokenizer.VisionPatches``): the same counts
     as Qwen2.5-VL's image processor, for the checkpoint's settings and for a file with min_pixels and max_pixels."""
     from transformers import AutoImageProcessor, Qwen2VLImageProcessor
 
-    from omni_ray.qwen_image import VisionPatches
-    from omni_ray.tokenizer import PromptTokenizer
+    from omni_ray.tokenizer import PromptTokenizer, VisionPatches
 
     sides = (10, 28, 56, 96, 100, 160, 384, 1000, 1328, 4000)
     sizes = [(h, w) for h in sides for w in sides if max(h, w) / min(h, w) < 200]  # the processor's own limit

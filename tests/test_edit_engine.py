@@ -14,8 +14,8 @@ from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 from omni_ray.api.images import load_input_images
 from omni_ray.config import load_config
 from omni_ray.engine.builders import build_encoder_core
+from omni_ray.families.qwen_image.facts import EDIT
 from omni_ray.pipeline import Pipeline
-from omni_ray.qwen_image import EDIT
 from omni_ray.records import EncodeRequest
 from testing.reference import load_reference, reference_edit, source_image
 

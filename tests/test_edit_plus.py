@@ -11,8 +11,8 @@ from conftest import REPO
 from omni_ray.api.images import load_input_images, working_size
 from omni_ray.config import load_config
 from omni_ray.errors import RequestError
+from omni_ray.families.qwen_image.facts import EDIT_PLUS
 from omni_ray.pipeline import Pipeline
-from omni_ray.qwen_image import EDIT_PLUS
 from omni_ray.tokenizer import PromptTokenizer
 from testing.reference import load_reference, reference_edit_plus, source_image
 from testing.serving import file_bytes as png

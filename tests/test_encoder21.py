@@ -11,10 +11,11 @@ from PIL import Image
 
 from omni_ray.config import load_config
 from omni_ray.engine.builders import build_encoder_core
-from omni_ray.qwen_image21 import format_prompt, vision_slots
+from omni_ray.families.qwen_image_2_1.facts import format_prompt, vision_slots
+from omni_ray.families.qwen_image_2_1.tokenizer import Qwen21Tokenizer
 from omni_ray.records import EncodeRequest
 from omni_ray.runners.vision import to_pil
-from omni_ray.tokenizer import Qwen21Tokenizer, tokenizer_for
+from omni_ray.tokenizer import tokenizer_for
 
 TOLERANCE = 1e-4  # float32 on a CPU; measured: 4.6e-6 at most
 
@@ -38,7 +39,7 @@ CASES = {  # request id -> (prompt, negative prompt, condition images)
 
 @pytest.fixture(scope="module")
 def ckpt21(tmp_path_factory):
-    from omni_ray.checkpoints.tiny21 import write_checkpoint
+    from omni_ray.families.qwen_image_2_1.tiny import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny21", seed=0)
 

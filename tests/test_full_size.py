@@ -10,9 +10,9 @@ import sys
 import pytest
 from conftest import REPO
 
-from omni_ray import qwen_image21
 from omni_ray.checkpoints.full_size import CONFIG_DIR, published_configs
-from omni_ray.qwen_image import PUBLISHED_PARAMS
+from omni_ray.families.qwen_image.facts import PUBLISHED_PARAMS
+from omni_ray.families.qwen_image_2_1 import facts as qwen_image21
 
 
 def test_gpu_dry_run_builds_the_full_size_models_with_the_published_parameter_counts(tmp_path):
@@ -186,7 +186,7 @@ def test_the_edit_plus_and_2511_presets_load_and_are_edit_plus_presets_over_qwen
 def test_the_tensor_sharded_and_fp8_parameter_counts_are_the_full_size_models():
     """placement's per-rank estimate rests on these two counts: the Linears diffusers' _tp_plan shards, and those
     FP8 quantizes (all of them among the sharded)."""
-    from omni_ray.qwen_image import FP8_PARAMS, TENSOR_SHARDED_PARAMS
+    from omni_ray.families.qwen_image.facts import FP8_PARAMS, TENSOR_SHARDED_PARAMS
     from omni_ray.runners.parallel.tensor import planned_linears
     from omni_ray.runners.quantization import fp8_linears
     from testing.full_size import build_meta

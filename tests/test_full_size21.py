@@ -10,8 +10,8 @@ import pytest
 import yaml
 from conftest import REPO
 
-from omni_ray import qwen_image21
 from omni_ray.checkpoints.full_size import MODEL_CONFIGS
+from omni_ray.families.qwen_image_2_1 import facts as qwen_image21
 
 CONFIGS = MODEL_CONFIGS / "qwen-image-2.1"
 
@@ -100,9 +100,9 @@ def test_the_full_size_presets_load_and_fit_their_gpus(name):
     else:  # 48 GB cards: the DiT on one, the encoder and the VAE sharing another
         assert shares["dit"] == 1 and shares["encoder"] + shares["vae"] <= 1
     # the condition caches' budget holds one true-CFG edit with three images at the largest prompt
-    from omni_ray.placement import dit21_request_cache_bytes
+    from omni_ray.families.qwen_image_2_1.placement import dit_request_cache_bytes
 
-    assert dit21_request_cache_bytes(config) <= config.dit.cache_memory_bytes
+    assert dit_request_cache_bytes(config) <= config.dit.cache_memory_bytes
 
 
 def test_the_real_and_dummy_one_gpu_presets_differ_only_in_their_checkpoints():
@@ -140,22 +140,21 @@ def test_the_2_1_estimates_follow_the_settings_they_name():
     """What each 2.1 estimate counts: the vision tower only with edits (on vLLM), the DiT's condition caches from the
     budget (or the rows' own without one), and a step's tokens bounded by max_batch_tokens."""
     from omni_ray.config import ConfigError, parse_config
-    from omni_ray.placement import (
-        GIB,
-        dit21_condition_tokens,
-        dit21_request_cache_bytes,
-        dit21_row_tokens,
-        dit21_step_tokens,
-        stage_memory,
+    from omni_ray.families.qwen_image_2_1.placement import (
+        dit_condition_tokens,
+        dit_request_cache_bytes,
+        dit_row_tokens,
+        dit_step_tokens,
     )
+    from omni_ray.placement import GIB, stage_memory
 
     data = preset("qwen_image_2_1.yaml")
     config = parse_config(data)
     # three 1024x1024 images: 1,024 vision slots each in max_model_len's tokens, widened to 4,096 latent tokens each
-    assert dit21_condition_tokens(config) == 4096 + 3 * 3 * 1024
-    assert dit21_row_tokens(config) == 2 * ((1536 // 16) ** 2 + 4096 + 9 * 1024)
-    assert dit21_step_tokens(config) == dit21_row_tokens(config)  # one such row a step: it passes max_batch_tokens
-    assert dit21_request_cache_bytes(config) == 2 * 2 * (4096 + 9 * 1024) * 32 * 4096 * 2
+    assert dit_condition_tokens(config) == 4096 + 3 * 3 * 1024
+    assert dit_row_tokens(config) == 2 * ((1536 // 16) ** 2 + 4096 + 9 * 1024)
+    assert dit_step_tokens(config) == dit_row_tokens(config)  # one such row a step: it passes max_batch_tokens
+    assert dit_request_cache_bytes(config) == 2 * 2 * (4096 + 9 * 1024) * 32 * 4096 * 2
     need = {e.stage: e.need_gib for e in stage_memory(config, 80)}
 
     text_only = parse_config({k: v for k, v in data.items() if k != "edit"})
@@ -169,9 +168,9 @@ def test_the_2_1_estimates_follow_the_settings_they_name():
 
     no_budget = parse_config({**data, "dit": {k: v for k, v in data["dit"].items() if k != "cache_memory_bytes"}})
     dit = stage_memory(no_budget, 80)[1]
-    assert dit.need_gib == pytest.approx(need["dit"] - 18 + dit21_request_cache_bytes(config) / GIB, abs=0.1)
+    assert dit.need_gib == pytest.approx(need["dit"] - 18 + dit_request_cache_bytes(config) / GIB, abs=0.1)
     unbounded = config.model_copy(update={"dit": config.dit.model_copy(update={"max_batch_tokens": None})})
-    assert dit21_step_tokens(unbounded) == 8 * dit21_row_tokens(config)  # max_batch_size rows: 47 GiB, refused
+    assert dit_step_tokens(unbounded) == 8 * dit_row_tokens(config)  # max_batch_size rows: 47 GiB, refused
     with pytest.raises(ConfigError, match=r"dit\.deployment\.num_gpus"):
         parse_config({**data, "dit": {k: v for k, v in data["dit"].items() if k != "max_batch_tokens"}})
 

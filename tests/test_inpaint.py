@@ -13,8 +13,8 @@ from omni_ray.api.images import load_masked_input
 from omni_ray.api.planning import plan_request
 from omni_ray.config import load_config
 from omni_ray.errors import RequestError
+from omni_ray.families.qwen_image.facts import INPAINT_STRENGTH, inpaint_start
 from omni_ray.pipeline import Pipeline
-from omni_ray.qwen_image import INPAINT_STRENGTH, inpaint_start
 from testing.reference import load_reference, openai_mask, reference_masked, source_image
 from testing.serving import file_bytes as png
 

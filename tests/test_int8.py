@@ -12,7 +12,7 @@ import torch
 from conftest import REPO
 
 from omni_ray.config import CacheSettings, ConfigError, ParallelSettings, load_config
-from omni_ray.qwen_image import BLOCK_LINEAR_PARAMS
+from omni_ray.families.qwen_image.facts import BLOCK_LINEAR_PARAMS
 from omni_ray.records import DenoiseParams, LoraRef
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.lora import read_lora

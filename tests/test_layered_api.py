@@ -161,7 +161,7 @@ def test_an_empty_prompt_is_still_refused_where_nothing_captions(tiny_dir):
 
 def test_the_image_takes_its_buckets_area_and_the_plan_the_layered_settings(config):
     from omni_ray.api.images import load_inputs
-    from omni_ray.qwen_image_layered import working_size
+    from omni_ray.families.qwen_image_layered.facts import working_size
 
     buckets = config.edit.resolutions
     for bucket in buckets:

@@ -168,3 +168,31 @@ def test_nothing_under_deployments_reads_an_engine_cores_attributes():
     assert _core_reads("cache = self.engine.core.cache\nfit = engine.core.step_times.fit") != []  # it would see one
     reads = {name: found for name, path in _modules("deployments").items() if (found := _core_reads(path.read_text()))}
     assert reads == {}
+
+
+def test_a_family_imports_no_other_family_and_nothing_else_branches_on_one():
+    """Each family's package imports no other family's (shared code is imported from the shared layers), the
+    registry imports no family's code, and no line outside omni_ray/families/ compares a preset's family or reads a
+    family's name (docs/adding-a-family.md)."""
+    import re
+
+    modules = {**_modules("omni_ray"), **_modules("deployments")}
+    packages = sorted({name.split(".")[2] for name in modules
+                       if name.startswith("omni_ray.families.") and name.count(".") >= 3})
+    assert {"qwen_image", "qwen_image_2_1", "qwen_image_layered"} <= set(packages)
+    crossing = {}
+    for name, path in modules.items():
+        if name.startswith("omni_ray.families.") and name.count(".") >= 2 and name.split(".")[2] in packages:
+            own = name.split(".")[2]
+            others = sorted(m for m in _imported(path, set(modules))
+                            if m.startswith("omni_ray.families.") and m.split(".")[2] in packages
+                            and m.split(".")[2] != own)
+            if others:
+                crossing[name] = others
+    assert crossing == {}
+    assert not [m for m in _imported(modules["omni_ray.families"], set(modules)) if m.startswith("omni_ray")]
+    branch = re.compile(r"family *(==|!=|in)|\.FAMILY\b")
+    found = [f"{path.relative_to(REPO)}:{number}" for name, path in modules.items()
+             if not name.startswith("omni_ray.families")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    assert found == []

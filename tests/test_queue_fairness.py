@@ -12,7 +12,7 @@ from omni_ray.engine.encoder_core import EncoderEngineCore
 from omni_ray.engine.fair_share import FairShare
 from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.engine.vae_scheduler import VaeScheduler
-from omni_ray.qwen_image import PromptTemplate
+from omni_ray.families.qwen_image.facts import PromptTemplate
 from omni_ray.records import (
     CaptionRequest,
     Decoded,

@@ -12,7 +12,7 @@ from omni_ray.api.planning import GenerationPlan
 from omni_ray.api.schema import parse_request
 from omni_ray.config import RequestLimits
 from omni_ray.errors import DeadlineExceededError, EngineError, OverloadedError, StageCall, StageLostError
-from omni_ray.qwen_image import uses_true_cfg
+from omni_ray.families.qwen_image.facts import uses_true_cfg
 from omni_ray.records import Inpaint, InputImages
 from omni_ray.request_path import Failed, ImageDone, Progress, collect, run_request
 from testing.fake_stages import FakeStages

@@ -21,7 +21,7 @@ from conftest import REPO
 from PIL import Image
 
 from omni_ray.config import load_config
-from omni_ray.qwen_image_layered import working_size
+from omni_ray.families.qwen_image_layered.facts import working_size
 from testing.local_serve import LocalServe
 from testing.openai_api import conforms
 from testing.reference import reference_layers, rgba_source, source_image

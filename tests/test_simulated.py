@@ -20,8 +20,8 @@ from omni_ray.engine.dit_policy import FifoPolicy, PriorityPolicy
 from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.dit_split import FixedSplit, PerStepSplit, StepShape
 from omni_ray.engine.vae_scheduler import VaeScheduler
+from omni_ray.families.qwen_image.facts import image_tokens
 from omni_ray.pipeline import Pipeline
-from omni_ray.qwen_image import image_tokens
 from omni_ray.records import (
     DecodeRequest,
     DenoiseBatch,

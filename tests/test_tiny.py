@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omni_ray.checkpoints.tiny import IMAGE_PROCESSOR_CONFIG, SCHEDULER_CONFIG, write_checkpoint
-from omni_ray.qwen_image import EDIT, EDIT_PLUS, TEXT_TO_IMAGE
+from omni_ray.families.qwen_image.facts import EDIT, EDIT_PLUS, TEXT_TO_IMAGE
 
 LAYOUT = {"model_index.json", "scheduler", "text_encoder", "tokenizer", "transformer", "vae"}
 

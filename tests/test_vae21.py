@@ -21,8 +21,8 @@ from omni_ray.engine.builders import build_vae_runner
 from omni_ray.engine.core import EngineCore
 from omni_ray.engine.vae_scheduler import VaeScheduler
 from omni_ray.errors import OverloadedError
+from omni_ray.families.qwen_image_2_1.vae import VaeRunner21
 from omni_ray.records import Decoded, DecodeRequest, ImageEncodeRequest, Latents, VaeBatch
-from omni_ray.runners.vae21 import VaeRunner21
 from testing.numerics import assert_reordered
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def vae_dir(tmp_path_factory):
     """The tiny 2.1 checkpoint's VAE (``tiny21.build_vae``, seed 0) beside a model index naming 2.1's pipeline: what
     the runner and a 2.1 preset read of a checkpoint."""
-    from omni_ray.checkpoints.tiny21 import build_vae
+    from omni_ray.families.qwen_image_2_1.tiny import build_vae
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny-2.1-vae"
     build_vae(0).save_pretrained(out / "vae")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 
-from omni_ray import qwen_image21, qwen_image_layered
 from omni_ray.config import PipelineConfig
+from omni_ray.families import family_of
 
 WEB = pathlib.Path(__file__).resolve().parent / "web"
 WEB_FILES = {name: (kind, (WEB / name).read_bytes())
@@ -24,22 +24,11 @@ def page_html(config: PipelineConfig, api_key: bool = False) -> str:
     # ControlNets run on a Qwen-Image text-to-image preset's generations only (an edit preset's are refused); the page
     # has no mask field, so it offers no inpainting ControlNet (the API takes those).
     controlnets = [name for name in config.controlnets if name not in config.inpaint_controlnets] \
-        if config.edit is None and config.family != qwen_image21.FAMILY else []
+        if config.edit is None and family_of(config).controlnets else []
     settings = {"model": config.name, "edit": config.edit is not None, "default_size": default,
                 "max_images": config.edit.max_images if config.edit is not None else 0,
                 "controlnets": controlnets, "max_controls": limits.max_controls if controlnets else 0,
                 "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares])),
-                "api_key": api_key, "family": config.family, "layered": _layered(config)}
+                "api_key": api_key, "family": config.family, **family_of(config).page_settings(config)}
     # "</" cannot end the script element early: JSON allows "<\/" for "</".
     return (WEB / "index.html").read_text().replace("__SETTINGS__", json.dumps(settings).replace("</", "<\\/"))
-
-
-def _layered(config: PipelineConfig) -> dict | None:
-    """What the page's Layers fields offer on a Qwen-Image-Layered preset (None on any other): its resolution
-    buckets (the first the server's default), the layer bounds and default, the caption languages (the first the
-    server's default)."""
-    if config.family != qwen_image_layered.FAMILY:
-        return None
-    return {"resolutions": list(config.edit.resolutions), "min_layers": qwen_image_layered.MIN_LAYERS,
-            "max_layers": qwen_image_layered.MAX_LAYERS, "default_layers": qwen_image_layered.DEFAULT_LAYERS,
-            "caption_languages": list(qwen_image_layered.CAPTION_LANGUAGES)}

@@ -14,11 +14,11 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from omni_ray import qwen_image21
 from omni_ray.api.schema import ImageGenerationRequest, OutputFormat
 from omni_ray.config import EditConfig, PipelineConfig
 from omni_ray.errors import PayloadTooLargeError, RequestError
-from omni_ray.qwen_image import EDIT_SIDE_MULTIPLE, VAE_COMPRESSION, check_side
+from omni_ray.families import family_of
+from omni_ray.families.qwen_image.facts import EDIT_SIDE_MULTIPLE, VAE_COMPRESSION
 from omni_ray.records import InputImages
 
 INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # what /v1/images/edits takes, as OpenAI's does (MPO: camera JPEGs)
@@ -63,7 +63,7 @@ def load_input_images(files: Sequence[bytes], config: PipelineConfig, resolution
     vae, encoder = [], []
     for number, data in enumerate(files, 1):
         which = f"image {number} of {len(files)}: " if len(files) > 1 else ""
-        image = open_input_image(data, edit.max_image_bytes, which, rgba=layered or config.family == "qwen-image-2.1")
+        image = open_input_image(data, edit.max_image_bytes, which, rgba=family_of(config).rgba)
         vae.append(_resized(image, config, area, f"{which}a {image.width}x{image.height} image's working "))
         if edit.plus:
             encoder.append(_resized(image, config, edit.condition_area, ""))
@@ -243,7 +243,7 @@ def check_sides(width: int, height: int, config: PipelineConfig, param: str, wha
     """Raises RequestError (naming ``param``) unless both sides are multiples of the family's (Qwen-Image's 16,
     Qwen-Image 2.1's 32) and within the preset's limits."""
     limits = config.requests
-    check = qwen_image21.check_side if config.family == qwen_image21.FAMILY else check_side
+    check = family_of(config).check_side
     for name, side in (("width", width), ("height", height)):
         try:
             check(name, side)

@@ -13,12 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from omni_ray import qwen_image21, qwen_image_layered
 from omni_ray.api.images import check_sides, load_control_images, load_control_masks
 from omni_ray.api.schema import MAX_SEED, ImageGenerationRequest, parse_request
 from omni_ray.config import CacheSettings, EditConfig, LoraEntry, PipelineConfig, SamplingRecipe
 from omni_ray.errors import NotFoundError, RequestError
-from omni_ray.qwen_image import (
+from omni_ray.families import family_of
+from omni_ray.families.qwen_image.facts import (
     INPAINT_STRENGTH,
     VISION_TOKENS,
     dit_work_tokens,
@@ -26,6 +26,7 @@ from omni_ray.qwen_image import (
     template_for,
     uses_true_cfg,
 )
+from omni_ray.families.qwen_image_layered import facts as qwen_image_layered
 from omni_ray.records import Control, DenoiseParams, Inpaint, InputImages, LoraRef, TokenCount
 
 if TYPE_CHECKING:
@@ -156,8 +157,8 @@ def plan_request(
     true_cfg_scale = request.true_cfg_scale
     if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in request.model_fields_set:
         true_cfg_scale = recipe.true_cfg_scale
-    elif config.family == qwen_image21.FAMILY and "true_cfg_scale" not in request.model_fields_set:
-        true_cfg_scale = 1.0  # 2.1 samples without guidance unless asked, as its pipeline
+    elif family_of(config).default_true_cfg_scale is not None and "true_cfg_scale" not in request.model_fields_set:
+        true_cfg_scale = family_of(config).default_true_cfg_scale  # its pipeline's default (2.1: no guidance)
     # 3. The size, a masked edit's mask, and the steps.
     if layered and request.size not in (None, "auto"):
         raise RequestError("size: the layers take the input image's working size at its `resolution`; leave size "
@@ -205,7 +206,7 @@ def plan_request(
         timeout_s=request.timeout or config.requests.timeout_s,
         tenant=request.user or "",
         sigmas=sigmas,
-        rgba=config.family in (qwen_image21.FAMILY, qwen_image_layered.FAMILY),
+        rgba=family_of(config).rgba,
         controls=controls,
         control_images=control_images,
         control_masks=control_masks,
@@ -231,7 +232,7 @@ def check_layered(request: ImageGenerationRequest, config: PipelineConfig) -> bo
     """Whether the request decomposes an image into layers (the preset is Qwen-Image-Layered's); RequestError naming
     a Layered field sent to another preset, or a ``resolution`` that is not one of the preset's buckets. The schema
     has bounded ``layers``."""
-    if config.family != qwen_image_layered.FAMILY:
+    if not family_of(config).layers:
         for field in LAYERED_FIELDS:
             if getattr(request, field) is not None:
                 raise RequestError(f"{field}: Qwen-Image-Layered's; {config.name!r} does not decompose images into "
@@ -247,7 +248,7 @@ def check_layered(request: ImageGenerationRequest, config: PipelineConfig) -> bo
 def layered_resolution(body: object, config: PipelineConfig) -> int | None:
     """The resolution bucket a Layered request's image is resized for (its ``resolution``, else the preset's first),
     read before the image is decoded; None for other presets. A body that does not validate is left to planning."""
-    if config.family != qwen_image_layered.FAMILY or config.edit is None or config.edit.resolutions is None:
+    if not family_of(config).layers or config.edit is None or config.edit.resolutions is None:
         return None
     value = body.resolution if isinstance(body, ImageGenerationRequest) else \
         body.get("resolution") if isinstance(body, dict) else None
@@ -266,8 +267,9 @@ def asks_for_control(body: object) -> bool:
 def check_control_route(config: PipelineConfig, has_image: bool) -> None:
     """RequestError naming ``control`` where ControlNets do not run: on Qwen-Image 2.1, on an edit preset, and with
     an image or mask to edit (diffusers' ControlNet pipeline draws from text alone)."""
-    if config.family == qwen_image21.FAMILY:
-        raise RequestError("control: ControlNets are Qwen-Image's; Qwen-Image 2.1 presets take none", param="control")
+    family = family_of(config)
+    if not family.controlnets:
+        raise RequestError(f"control: ControlNets are Qwen-Image's; {family.title} presets take none", param="control")
     if config.edit is not None:
         raise RequestError(f"control: {config.name!r} edits images; ControlNets run on a text-to-image preset's "
                            "/v1/images/generations", param="control")
@@ -346,7 +348,7 @@ def checkpoint_sigmas(request: ImageGenerationRequest, config: PipelineConfig, r
                       ) -> tuple[float, ...] | None:
     """A Qwen-Image 2.1 request that sets no steps (nor quality, nor an adapter's recipe steps): the checkpoint's
     ``sample_sigmas``, as its pipeline samples when called without ``sigmas``; None otherwise."""
-    if config.family != qwen_image21.FAMILY or config.sample_sigmas is None:
+    if config.sample_sigmas is None:  # a family's that samples a checkpoint's own sigmas (Qwen-Image 2.1)
         return None
     if request.num_inference_steps is not None or request.quality != "auto":
         return None
@@ -357,14 +359,13 @@ def checkpoint_sigmas(request: ImageGenerationRequest, config: PipelineConfig, r
 
 def check_fields(request: ImageGenerationRequest, config: PipelineConfig) -> None:
     """The fields OpenAI's schema takes but this server cannot honour, and its own bounds."""
-    family_21 = config.family == qwen_image21.FAMILY
-    layered = config.family == qwen_image_layered.FAMILY
-    if not request.prompt.strip() and not layered:
+    family = family_of(config)
+    if not request.prompt.strip() and not family.captions:
         raise RequestError("prompt: must not be empty", param="prompt")
-    if request.background == "transparent" and not (family_21 or layered):
+    if request.background == "transparent" and not family.rgba:
         raise RequestError("background: Qwen-Image draws opaque images; use auto or opaque (Qwen-Image 2.1 and "
                            "Qwen-Image-Layered draw RGBA)", param="background")
-    if family_21 and "cache" in request.model_fields_set and request.cache is not None:
+    if not family.dit_cache and "cache" in request.model_fields_set and request.cache is not None:
         raise RequestError("cache: DiT cache acceleration is Qwen-Image's; Qwen-Image 2.1 keeps its condition's keys "
                            "and values across steps instead", param="cache")
     if request.style is not None:
@@ -377,7 +378,7 @@ def check_fields(request: ImageGenerationRequest, config: PipelineConfig) -> Non
                            param="timeout")
     for field in ("prompt", "negative_prompt"):
         text = getattr(request, field) or ""
-        if (config.edit is not None or family_21) and any(token in text for token in VISION_TOKENS):
+        if (config.edit is not None or family.vision_in_every_prompt) and any(token in text for token in VISION_TOKENS):
             raise RequestError(f"{field}: must not contain Qwen2.5-VL's vision tokens ({', '.join(VISION_TOKENS)})",
                                param=field)
 
@@ -414,12 +415,7 @@ def count_input_tokens(request: ImageGenerationRequest, config: PipelineConfig, 
         if text is None:
             continue
         tokens = count_tokens(text, image_sizes)
-        slots = sum(qwen_image21.vision_slots(*size) for size in image_sizes)
-        if config.family == qwen_image21.FAMILY and tokens.image != slots:
-            sizes = ", ".join(f"{width}x{height}" for height, width in image_sizes)
-            raise RequestError(f"image: at their working sizes ({sizes}) Qwen3-VL's processor reads the images as "
-                               f"{tokens.image} vision tokens, not the {slots} their latents make: a working size "
-                               "outside the processor's pixel range (edit.image_area)", param="image")
+        family_of(config).check_image_tokens(tokens.image, image_sizes)
         if tokens.total > config.encoder.max_model_len:
             raise RequestError(f"{field}: {tokens.total} tokens with the prompt template; the limit is "
                                f"{config.encoder.max_model_len}", param=field)
@@ -474,30 +470,9 @@ def check_mask(request: ImageGenerationRequest, inputs: InputImages | None, heig
 
 
 def check_route(config: PipelineConfig, has_image: bool, has_mask: bool = False) -> None:
-    """Raises RequestError (param ``image``, or ``mask``) when a request's modality is not the preset's: an edit
-    preset serves /v1/images/edits (images and a prompt, a mask but on Edit-Plus), any other
-    /v1/images/generations (a prompt) and, with a mask, /v1/images/edits (diffusers' text-to-image inpainting)."""
-    if has_mask and config.family == qwen_image_layered.FAMILY:
-        raise RequestError(f"mask: {config.name!r} decomposes the whole image into layers; it takes no mask",
-                           param="mask")
-    if has_mask and config.family == qwen_image21.FAMILY:
-        raise RequestError(f"mask: {config.name!r} is a Qwen-Image 2.1 model, which diffusers defines no masked edit "
-                           "for; masks work on Qwen-Image and Qwen-Image-Edit presets", param="mask")
-    if config.family == qwen_image21.FAMILY:  # generations always; edits with the preset's `edit`
-        if has_image and config.edit is None:
-            raise RequestError(f"image: {config.name!r} takes no condition images (its preset has no `edit`); use "
-                               "/v1/images/generations", param="image")
-        return
-    if has_mask and config.edit is not None and config.edit.plus:
-        raise RequestError(f"mask: {config.name!r} edits several images, which diffusers defines no masked edit "
-                           "for; masks work on Qwen-Image and Qwen-Image-Edit presets", param="mask")
-    if has_image and config.edit is None and not has_mask:
-        raise RequestError(f"image: {config.name!r} does not edit images; use /v1/images/generations, or send a "
-                           "`mask` with the image to repaint part of it", param="image")
-    if not has_image and config.edit is not None:
-        raise RequestError(
-            f"image: {config.name!r} edits images; send an `image` and a `prompt` to /v1/images/edits", param="image"
-        )
+    """Raises RequestError (param ``image``, or ``mask``) when a request's modality is not the preset's, as its family
+    says (``Family.check_route``)."""
+    family_of(config).check_route(config, has_image, has_mask)
 
 
 def requested_size(request: ImageGenerationRequest, config: PipelineConfig) -> tuple[int, int] | None:

@@ -18,7 +18,7 @@ import time
 from omni_ray.api.images import keeps_alpha
 from omni_ray.api.planning import GenerationPlan
 from omni_ray.errors import OmniRayError
-from omni_ray.qwen_image import image_tokens
+from omni_ray.families.qwen_image.facts import image_tokens
 
 # The only sizes OpenAI's schema allows in a response (and, besides "auto", in a stream event).
 OPENAI_SIZES = frozenset({"1024x1024", "1024x1536", "1536x1024"})

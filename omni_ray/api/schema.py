@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from omni_ray.config import CacheSettings, Number, field_errors
 from omni_ray.errors import RequestError
-from omni_ray.qwen_image_layered import DEFAULT_LAYERS, MAX_LAYERS, MIN_LAYERS
+from omni_ray.families.qwen_image_layered.facts import DEFAULT_LAYERS, MAX_LAYERS, MIN_LAYERS
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_SEED = 2**63 - 1

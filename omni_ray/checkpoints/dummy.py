@@ -104,7 +104,7 @@ def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = Non
 def _write_21(partial: pathlib.Path, configs: str, layers: int | None) -> None:
     """Qwen-Image 2.1's configs and ``processor/`` (the Qwen-sized tokenizer, the published image processor
     settings, the chat template) to ``partial``."""
-    from omni_ray.checkpoints.tiny21 import build_processor
+    from omni_ray.families.qwen_image_2_1.tiny import build_processor
 
     write_configs(configs, partial, ignore=shutil.ignore_patterns("processor"))
     if layers is not None:

@@ -22,7 +22,7 @@ prompt. Only the sizes are small:
 - the VAE keeps Qwen-Image's 8x spatial compression and 16 latent channels, with non-trivial latent statistics;
 - the scheduler config is Qwen-Image's own.
 
-``--qwen-image-2-1`` writes a Qwen-Image 2.1 checkpoint instead (``omni_ray.checkpoints.tiny21``).
+``--qwen-image-2-1`` writes a Qwen-Image 2.1 checkpoint instead (``omni_ray.families.qwen_image_2_1.tiny``).
 
 ``--controlnet --from CHECKPOINT`` writes a ``QwenImageControlNetModel`` for that checkpoint's transformer instead
 (``write_controlnet``): the folder a preset's ``controlnets`` names.
@@ -45,8 +45,8 @@ from omni_ray.checkpoints.parts import (
     randomised,
     trained_tokenizer,
 )
-from omni_ray.qwen_image import TEMPLATES
-from omni_ray.qwen_image_layered import IMAGE_CHANNELS
+from omni_ray.families.qwen_image.facts import TEMPLATES
+from omni_ray.families.qwen_image_layered.facts import IMAGE_CHANNELS
 
 TEXT_HIDDEN_SIZE = 64  # two heads of 32
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote a {args.layers}-layer {kind} for {args.source} (seed {args.seed}) to {out}")
         return
     if args.qwen_image_2_1:
-        from omni_ray.checkpoints import tiny21
+        from omni_ray.families.qwen_image_2_1 import tiny as tiny21
 
         out = tiny21.write_checkpoint(args.out_dir, seed=args.seed, size=args.size)
         print(f"wrote a {args.size} Qwen-Image 2.1 checkpoint (seed {args.seed}) to {out}")

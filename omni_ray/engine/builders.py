@@ -7,7 +7,6 @@ import logging
 
 import torch
 
-from omni_ray import qwen_image_layered
 from omni_ray.config import ConfigError, DiTConfig, PipelineConfig, VAEConfig
 from omni_ray.engine.caption_cache import CaptionCache
 from omni_ray.engine.card import Card, TakingTurns, startup_turn
@@ -27,15 +26,11 @@ from omni_ray.engine.executor import (
 )
 from omni_ray.engine.prompt_cache import PromptCache
 from omni_ray.engine.vae_scheduler import VaeScheduler
-from omni_ray.placement import kept_blocks, vae_untiled_pixels
-from omni_ray.runners.denoise import DenoiseRunner
-from omni_ray.runners.denoise21 import Denoise21Runner
+from omni_ray.families import family_of
 from omni_ray.runners.offload import DeviceMemory, ParkedWeights
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.simulated import SimulatedCaptioner, SimulatedDenoiser, SimulatedEncoder, SimulatedVae
 from omni_ray.runners.transformers_encoder import TransformersCaptioner, TransformersEncoder
-from omni_ray.runners.vae import VaeRunner
-from omni_ray.runners.vae21 import VaeRunner21
 from omni_ray.runners.vision import VisionInputs
 from omni_ray.runners.vllm_encoder import VllmEncoder
 from omni_ray.tokenizer import CaptionTokenizer, tokenizer_for
@@ -69,7 +64,8 @@ def build_encoder_core(config: PipelineConfig, card: Card | None = None) -> Enco
             captioner = SimulatedCaptioner(stage.caption_max_tokens)
     elif stage.runner == "transformers":
         encoder = TransformersEncoder(config.model, tokenizer, getattr(torch, stage.dtype), stage.device,
-                                      stage.max_num_seqs, dummy=config.weights == "dummy", family=config.family)
+                                      stage.max_num_seqs, dummy=config.weights == "dummy",
+                                      model_kind=family_of(config).encoder_model)
         if captions:
             captioner = TransformersCaptioner(encoder.model, VisionInputs(config.model), stage.caption_max_tokens)
     else:
@@ -83,10 +79,10 @@ def build_encoder_core(config: PipelineConfig, card: Card | None = None) -> Enco
             max_images=config.edit.max_images if config.edit is not None else 1,
             dummy=config.weights == "dummy",
             gpu_memory_utilization=stage.gpu_memory_utilization,
-            family=config.family,
+            model_kind=family_of(config).encoder_model,
             captions=captions,
             caption_max_tokens=stage.caption_max_tokens,
-            caption_image_pixels=CAPTION_IMAGE_PIXELS,
+            caption_image_pixels=family_of(config).caption_image_pixels,
             quantization=stage.quantization,
             weights_dir=stage.weights_dir,
         )
@@ -112,15 +108,9 @@ def card_of(config: PipelineConfig, card: Card | None, stage: str) -> Card | Non
     return card if config.card is not None and stage in config.card.stages else None
 
 
-# Captions read the input image at its working size: about the largest resolution bucket's area, at any aspect ratio.
-# Twice that area bounds Qwen2.5-VL's processor (``max_pixels``) without ever binding, so the caption reads the image
-# the pipeline's processor reads, and sizes vLLM's budget for one caption image.
-CAPTION_IMAGE_PIXELS = 2 * max(qwen_image_layered.RESOLUTIONS) ** 2
-
-
 def captions_on(config: PipelineConfig) -> bool:
-    """Whether the preset's encoder writes captions: Qwen-Image-Layered's (an empty prompt is the image's caption)."""
-    return getattr(config, "family", None) == qwen_image_layered.FAMILY
+    """Whether the preset's encoder writes captions (its family's: an empty prompt is the image's caption)."""
+    return family_of(config).captions
 
 
 def create_policy(stage: DiTConfig) -> SchedulingPolicy:
@@ -144,7 +134,7 @@ def condition_cache_size(config: PipelineConfig) -> ConditionCacheSize | None:
     neither in the Hugging Face cache nor downloadable) raises ConfigError when ``dit.cache_memory_bytes`` bounds the
     caches (a bound that cannot be counted is not kept silently); without a bound, the DiT runs uncounted (its stats'
     ``condition_cache`` None), with a warning."""
-    if config.family != "qwen-image-2.1":
+    if not family_of(config).condition_cache:
         return None
     size = ConditionCacheSize.from_checkpoint(config.model, getattr(torch, config.dit.dtype).itemsize,
                                               local=config.is_local)
@@ -192,29 +182,14 @@ def local_gang(stage: DiTConfig | VAEConfig, make_runner: RunnerFactory) -> Exec
     return MultiprocExecutor(make_runner, stage.parallel, gang_backend(stage.device))
 
 
-def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None
-                     ) -> DenoiseRunner | Denoise21Runner | SimulatedDenoiser:
-    """One rank's DiT runner (``mesh`` None: the replica's only one), compiled and warmed up when ``dit.compile``
-    says so. Picklable with its config (``functools.partial``), for a gang's ranks to call. A simulated rank
-    sleeps the whole gang's step (``SimulatedDenoiser``'s ranks), so a gang of them steps as the gang would."""
+def build_dit_runner(config: PipelineConfig, mesh: Mesh | None = None) -> ModelRunner:
+    """One rank's DiT runner (``mesh`` None: the replica's only one), as the preset's family builds it. Picklable
+    with its config (``functools.partial``), for a gang's ranks to call. A simulated rank sleeps the whole gang's step
+    (``SimulatedDenoiser``'s ranks), so a gang of them steps as the gang would."""
     stage = config.dit
     if stage.runner == "simulated":
         return SimulatedDenoiser(getattr(torch, stage.dtype), ranks=stage.parallel.sequence)
-    if config.family == "qwen-image-2.1":
-        return Denoise21Runner.load(config.model, getattr(torch, stage.dtype), stage.device,
-                                    dummy=config.weights == "dummy", max_loras=stage.max_loras, mesh=mesh)
-    runner = DenoiseRunner.load(config.model, getattr(torch, stage.dtype), stage.device, stage.teacache_coefficients,
-                                dummy=config.weights == "dummy", max_loras=stage.max_loras, compile=stage.compile,
-                                quantization=stage.quantization, mesh=mesh, controlnets=dict(config.controlnets),
-                                weights_file=stage.weights_file,
-                                offload_resident=(kept_blocks(config, config.gpu_memory_gib)
-                                                  if stage.offload is not None else None),
-                                offload_gbps=stage.offload.host_to_device_gbps if stage.offload is not None else 25.0)
-    if stage.compile:  # compile now, while the replica is not yet ready, not on a user's first request
-        seconds = runner.warm_up(config.requests.default_height, config.requests.default_width)
-        logger.info("DiT blocks compiled for %dx%d in %.1f s", config.requests.default_width,
-                    config.requests.default_height, seconds)
-    return runner
+    return family_of(config).build_dit_runner(config, mesh)
 
 
 def build_vae_core(config: PipelineConfig, executor_factory: ExecutorFactory | None = None,
@@ -236,16 +211,10 @@ def device_modules(runner) -> list:
     return modules() if modules is not None else []
 
 
-def build_vae_runner(config: PipelineConfig, mesh: Mesh | None = None) -> VaeRunner | VaeRunner21 | SimulatedVae:
-    """One rank's VAE runner (``mesh`` None: the replica's only one); picklable with its config. Qwen-Image 2.1's
-    VAE has a runner of its own (``VaeRunner21``, world size 1 and no tiling)."""
+def build_vae_runner(config: PipelineConfig, mesh: Mesh | None = None) -> ModelRunner:
+    """One rank's VAE runner (``mesh`` None: the replica's only one), as the preset's family builds it; picklable
+    with its config."""
     stage = config.vae
     if stage.runner == "simulated":
         return SimulatedVae(getattr(torch, stage.dtype))
-    if config.family == "qwen-image-2.1":
-        return VaeRunner21.load(config.model, getattr(torch, stage.dtype), stage.device,
-                                dummy=config.weights == "dummy", tiling=bool(stage.tiling), mesh=mesh)
-    auto = stage.tiling == "auto"
-    return VaeRunner.load(config.model, getattr(torch, stage.dtype), stage.device, dummy=config.weights == "dummy",
-                          tiling=stage.tiling is True, mesh=mesh,
-                          tile_above_pixels=vae_untiled_pixels(config, config.gpu_memory_gib) if auto else None)
+    return family_of(config).build_vae_runner(config, mesh)

@@ -13,7 +13,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from omni_ray import qwen_image21
+from omni_ray.families.qwen_image_2_1 import facts as qwen_image21
 from omni_ray.records import DenoiseRequest, PromptEmbeds
 
 CONFIG_FILE = "transformer/config.json"

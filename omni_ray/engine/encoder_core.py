@@ -37,7 +37,7 @@ from omni_ray.engine.output import EngineCoreOutput, StepError
 from omni_ray.engine.prompt_cache import PromptCache, copy_embeds
 from omni_ray.engine.stats import EncoderStats, PromptCacheStats
 from omni_ray.errors import EngineError, request_failure
-from omni_ray.qwen_image import PromptTemplate
+from omni_ray.families.qwen_image.facts import PromptTemplate
 from omni_ray.records import Caption, CaptionRequest, EncodedPrompt, EncodeRequest, PromptEmbeds
 from omni_ray.tokenizer import CaptionTokenizer, PromptTokenizer
 

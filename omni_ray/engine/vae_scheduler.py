@@ -19,7 +19,7 @@ from __future__ import annotations
 from omni_ray.engine.fair_share import FairShare
 from omni_ray.engine.output import EngineCoreOutput
 from omni_ray.engine.scheduler import Scheduler
-from omni_ray.qwen_image_layered import decoded_frames
+from omni_ray.families.qwen_image_layered.facts import decoded_frames
 from omni_ray.records import DecodeRequest, VaeBatch, VaeOutput, VaeRequest
 
 

@@ -47,7 +47,7 @@ from diffusers import (
 )
 
 from omni_ray.config import ParallelSettings
-from omni_ray.qwen_image import QWEN_IMAGE_TEACACHE, VAE_COMPRESSION, check_side, latent_grid
+from omni_ray.families.qwen_image.facts import QWEN_IMAGE_TEACACHE, VAE_COMPRESSION, check_side, latent_grid
 from omni_ray.records import (
     Control,
     DenoiseParams,

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from omni_ray.qwen_image import SIZE_MULTIPLE, latent_grid
-from omni_ray.qwen_image_layered import dit_frames, schedule_mu
+from omni_ray.families.qwen_image.facts import SIZE_MULTIPLE, latent_grid
+from omni_ray.families.qwen_image_layered.facts import dit_frames, schedule_mu
 from omni_ray.records import BatchKey, DenoiseParams, Latents, PromptEmbeds
 from omni_ray.runners.dit_cache import BranchCache
 from omni_ray.runners.packing import pack_latents

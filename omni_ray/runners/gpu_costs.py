@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omni_ray.qwen_image import TEXT_TO_IMAGE, image_tokens
+from omni_ray.families.qwen_image.facts import TEXT_TO_IMAGE, image_tokens
 
 DIT_BLOCKS = 60
 DIT_ATTENTION_WIDTH = 3072  # 24 heads of 128

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_ray.qwen_image import latent_grid
+from omni_ray.families.qwen_image.facts import latent_grid
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from omni_ray.errors import request_failure
-from omni_ray.qwen_image import LATENT_CHANNELS, TEXT_HIDDEN, VISION_PATCH, check_side, image_tokens
-from omni_ray.qwen_image_layered import decoded_frames
+from omni_ray.families.qwen_image.facts import LATENT_CHANNELS, TEXT_HIDDEN, VISION_PATCH, check_side, image_tokens
+from omni_ray.families.qwen_image_layered.facts import decoded_frames
 from omni_ray.records import (
     Decoded,
     DenoiseBatch,

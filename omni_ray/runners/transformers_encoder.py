@@ -8,8 +8,9 @@ images alone, each placeholder expanded to its image's tokens, as diffusers' edi
 images. It is slower than vLLM (no continuous batching, padding) and holds the vision tower even for text to image,
 but needs nothing beyond transformers: pick it where vLLM cannot be installed.
 
-For Qwen-Image 2.1 (``family``) the model is Qwen3-VL, its image processor the one in ``processor/``, and the state
-it returns is the last decoder layer's before the final norm, as ``QwenImage21Pipeline`` hooks it.
+For Qwen-Image 2.1 (``model_kind`` ``qwen3-vl``) the model is Qwen3-VL, its image processor the one in
+``processor/``, and the state it returns is the last decoder layer's before the final norm, as
+``QwenImage21Pipeline`` hooks it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_ray import qwen_image21
 from omni_ray.runners.vision import VisionInputs
 from omni_ray.tokenizer import PromptTokenizer
 
@@ -33,7 +33,8 @@ class _Sequence:
 
 class TransformersEncoder:
     def __init__(self, model: str, tokenizer: PromptTokenizer, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", max_num_seqs: int = 8, dummy: bool = False, family: str = "qwen-image"):
+                 device: str = "cpu", max_num_seqs: int = 8, dummy: bool = False,
+                 model_kind: str = "qwen2.5-vl"):
         from transformers import (
             Qwen2_5_VLConfig,
             Qwen2_5_VLForConditionalGeneration,
@@ -44,15 +45,15 @@ class TransformersEncoder:
         from omni_ray.runners.random_weights import random_model
         from omni_ray.runners.vllm_encoder import local_subfolder
 
-        family21 = family == qwen_image21.FAMILY
-        model_class, config_class = ((Qwen3VLForConditionalGeneration, Qwen3VLConfig) if family21
+        qwen3 = model_kind == "qwen3-vl"
+        model_class, config_class = ((Qwen3VLForConditionalGeneration, Qwen3VLConfig) if qwen3
                                      else (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig))
         path = local_subfolder(model, "text_encoder")
         if dummy:
             self.model = random_model(model_class, config_class.from_pretrained(path), dtype, device)
         else:
             self.model = model_class.from_pretrained(path, dtype=dtype).to(device).eval()
-        if family21:  # the pipeline's hook: the final norm hands on its input
+        if qwen3:  # the pipeline's hook: the final norm hands on its input
             self.model.model.language_model.norm.register_forward_hook(lambda module, args, output: args[0])
         self.tokenizer = tokenizer
         self.vision = VisionInputs(model) if tokenizer.template.has_image else None

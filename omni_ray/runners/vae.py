@@ -39,9 +39,9 @@ from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 
 from omni_ray.errors import RefusedError, request_failure
-from omni_ray.qwen_image import SIZE_MULTIPLE, VAE_COMPRESSION, image_tokens
-from omni_ray.qwen_image_layered import IMAGE_CHANNELS as RGBA
-from omni_ray.qwen_image_layered import decoded_frames, dit_frames
+from omni_ray.families.qwen_image.facts import SIZE_MULTIPLE, VAE_COMPRESSION, image_tokens
+from omni_ray.families.qwen_image_layered.facts import IMAGE_CHANNELS as RGBA
+from omni_ray.families.qwen_image_layered.facts import decoded_frames, dit_frames
 from omni_ray.records import Decoded, ImageEncodeRequest, Latents, VaeBatch, VaeOutput, VaeRequest
 from omni_ray.runners.host import to_host
 from omni_ray.runners.packing import pack_latents, unpack_latents

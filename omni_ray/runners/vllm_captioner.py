@@ -20,7 +20,7 @@ import pathlib
 import numpy as np
 import torch
 
-from omni_ray.qwen_image import VISION_PATCH
+from omni_ray.families.qwen_image.facts import VISION_PATCH
 
 
 class VllmCaptioner:

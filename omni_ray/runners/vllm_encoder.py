@@ -16,8 +16,7 @@ import time
 import numpy as np
 import torch
 
-from omni_ray import qwen_image21
-from omni_ray.qwen_image import VISION_PATCH
+from omni_ray.families.qwen_image.facts import VISION_PATCH
 
 MIN_IMAGE_PIXELS = VISION_PATCH**2  # one vision token
 
@@ -70,10 +69,11 @@ class VllmEncoder:
     placeholder and places the vision embeddings (with their M-RoPE positions) in the sequence; without it, only the
     language model loads. Call it from one thread.
 
-    ``family`` ``qwen-image-2.1``: Qwen3-VL from ``text_encoder/`` with its processor (and tokenizer) from
-    ``processor/``; every sequence goes through vLLM's input processor (its M-RoPE positions, and Qwen3-VL's deepstack
-    of vision features into the first layers when it has images), and the language model's final RMSNorm is replaced
-    by its residual add alone, so the pooled states are the last decoder layer's, before the norm. RGBA images are
+    ``model_kind`` ``qwen3-vl`` (Qwen-Image 2.1's encoder): Qwen3-VL from ``text_encoder/`` with its processor (and
+    tokenizer) from ``processor/``; every sequence goes through vLLM's input processor (its M-RoPE positions, and
+    Qwen3-VL's deepstack of vision features into the first layers when it has images), and the language model's final
+    RMSNorm is replaced by its residual add alone, so the pooled states are the last decoder layer's, before the
+    norm. RGBA images are
     read with alpha over white (``vision.to_pil``).
 
     ``captions`` (Qwen-Image-Layered): a second, generating engine writes greedy captions of images of up to
@@ -93,7 +93,7 @@ class VllmEncoder:
         max_images: int = 1,
         dummy: bool = False,
         gpu_memory_utilization: float = 0.9,
-        family: str = "qwen-image",
+        model_kind: str = "qwen2.5-vl",
         captions: bool = False,
         caption_max_tokens: int = 512,
         caption_image_pixels: int = 2 << 20,
@@ -117,8 +117,8 @@ class VllmEncoder:
         text_encoder = str(pathlib.Path(weights_dir).expanduser()) if weights_dir else local_subfolder(model,
                                                                                                       "text_encoder")
         check_quantized(text_encoder, dtype, weights_read=not dummy, declared=quantization)
-        self.family21 = family == qwen_image21.FAMILY
-        tokenizer = local_subfolder(model, "processor" if self.family21 else "tokenizer")
+        self.qwen3 = model_kind == "qwen3-vl"
+        tokenizer = local_subfolder(model, "processor" if self.qwen3 else "tokenizer")
         if vision:
             # Images reach the encoder already resized to about the preset's area, so the processor's own bound
             # never binds; it sizes vLLM's encoder budget (its default, 16k tokens per image, would be profiled).
@@ -147,12 +147,12 @@ class VllmEncoder:
         )
         self.config = args.create_engine_config()
         executor = _loopback_executor(UniProcExecutor)
-        if self.family21:
+        if self.qwen3:
             executor = _skip_final_norm(executor)
         self.core = EngineCore(self.config, executor, log_stats=False)
         self.pooling_params = PoolingParams(task="token_embed", use_activation=False)
         self.pooling_params.verify(self.config.model_config)
-        self.input_processor = InputProcessor(self.config) if vision or self.family21 else None
+        self.input_processor = InputProcessor(self.config) if vision or self.qwen3 else None
         self.captioner = None
         if captions:
             from omni_ray.runners.vllm_captioner import VllmCaptioner
@@ -175,7 +175,7 @@ class VllmEncoder:
         """Queues one sequence; with ``images``, its i-th ``<|image_pad|>`` token stands for the i-th image."""
         from vllm.v1.engine import EngineCoreRequest
 
-        if images or self.family21:
+        if images or self.qwen3:
             from omni_ray.runners.vision import to_pil
 
             prompt = {"prompt_token_ids": token_ids}

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from omni_ray.qwen_image21 import LATENT_CHANNELS, VAE_COMPRESSION, image_tokens, vision_slots
+from omni_ray.families.qwen_image_2_1.facts import LATENT_CHANNELS, VAE_COMPRESSION, image_tokens, vision_slots
+from omni_ray.families.qwen_image_2_1.forward import ConditionCache, Shape
 from omni_ray.records import BatchKey, DenoiseParams, Latents, PromptEmbeds
 from omni_ray.runners.denoise_state import calculate_shift, one_step_overrides
-from omni_ray.runners.forward21 import ConditionCache, Shape
 
 
 @dataclass(slots=True)

@@ -31,13 +31,19 @@ import torch
 from diffusers import AutoencoderKLQwenImage21
 from diffusers.image_processor import VaeImageProcessor
 
-from omni_ray.qwen_image21 import IMAGE_CHANNELS, LATENT_CHANNELS, VAE_COMPRESSION, check_side, image_tokens
+from omni_ray.families.qwen_image_2_1.facts import (
+    IMAGE_CHANNELS,
+    LATENT_CHANNELS,
+    VAE_COMPRESSION,
+    check_side,
+    image_tokens,
+)
+from omni_ray.families.qwen_image_2_1.vae_frame import FrameDecoder21, FrameEncoder21
 from omni_ray.records import ImageEncodeRequest, Latents, VaeRequest
 from omni_ray.runners.host import to_host
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.random_weights import random_model
 from omni_ray.runners.vae import BatchedVae
-from omni_ray.runners.vae21_frame import FrameDecoder21, FrameEncoder21
 
 SEEDED_SAMPLE = ("a seeded sample of an image's latents (ImageEncodeRequest.seed: Qwen-Image's masked edit) is not "
                  "Qwen-Image 2.1's: its condition images encode to their latent distribution's mode")

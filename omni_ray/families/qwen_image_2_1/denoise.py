@@ -21,10 +21,10 @@ import logging
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
 
-from omni_ray.qwen_image21 import check_side
+from omni_ray.families.qwen_image_2_1.facts import check_side
+from omni_ray.families.qwen_image_2_1.forward import ConditionCache, JointLayout, decode, prefill
+from omni_ray.families.qwen_image_2_1.state import Denoise21State, check_inputs, prepare_state
 from omni_ray.records import DenoiseParams, Latents, PromptEmbeds
-from omni_ray.runners.denoise21_state import Denoise21State, check_inputs, prepare_state
-from omni_ray.runners.forward21 import ConditionCache, JointLayout, decode, prefill
 from omni_ray.runners.host import to_host
 from omni_ray.runners.parallel.mesh import Mesh
 from omni_ray.runners.random_weights import random_model

@@ -22,7 +22,7 @@ import pathlib
 import torch
 
 from omni_ray.checkpoints.parts import CORPUS, SCHEDULER_CONFIG, TRANSFORMER_SIZES, randomised, trained_tokenizer
-from omni_ray.qwen_image21 import SYSTEM_PROMPT, SYSTEM_TURN, template
+from omni_ray.families.qwen_image_2_1.facts import SYSTEM_PROMPT, SYSTEM_TURN, template
 
 TEXT_HIDDEN_SIZE = 64  # two heads of 32
 SAMPLE_SIGMAS = (1.0, 0.75, 0.5, 0.25)

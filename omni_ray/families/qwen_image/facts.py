@@ -6,7 +6,6 @@ compression, say) is refused where it is loaded.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 # Image sides are multiples of this: the VAE's 8x spatial compression times the transformer's 2x2 patches. One image
@@ -61,47 +60,6 @@ def inpaint_start(num_steps: int, strength: float) -> int:
     """The step a masked edit starts at, as diffusers' inpaint pipelines truncate the schedule (``get_timesteps``):
     ``strength`` 1 runs every step from pure noise, less starts later from the image noised to that step's level."""
     return int(max(num_steps - min(num_steps * strength, num_steps), 0))
-
-
-@dataclass(frozen=True, slots=True)
-class VisionPatches:
-    """Qwen2.5-VL's image processor settings (``processor/preprocessor_config.json``): how an image is resized to
-    whole merged patches within a pixel range, and so how many tokens it becomes."""
-
-    patch_size: int = 14
-    merge_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-
-    @classmethod
-    def from_config(cls, config: dict) -> VisionPatches:
-        """The settings of a ``preprocessor_config.json``: ``size``'s edges, which ``min_pixels`` and
-        ``max_pixels`` override when given (as transformers reads older files)."""
-        size = config.get("size") or {}
-        return cls(config.get("patch_size", cls.patch_size), config.get("merge_size", cls.merge_size),
-                   config.get("min_pixels") or size.get("shortest_edge", cls.min_pixels),
-                   config.get("max_pixels") or size.get("longest_edge", cls.max_pixels))
-
-    def resized(self, height: int, width: int) -> tuple[int, int]:
-        """The size the processor resizes an image to: each side rounded to whole merged patches, then scaled as
-        one (keeping the aspect) into ``min_pixels``..``max_pixels``, rounding down when shrinking and up when
-        growing."""
-        unit = self.patch_size * self.merge_size
-        rows, cols = round(height / unit) * unit, round(width / unit) * unit
-        if rows * cols > self.max_pixels:
-            scale = math.sqrt(height * width / self.max_pixels)
-            rows = max(unit, math.floor(height / scale / unit) * unit)
-            cols = max(unit, math.floor(width / scale / unit) * unit)
-        elif rows * cols < self.min_pixels:
-            scale = math.sqrt(self.min_pixels / (height * width))
-            rows, cols = math.ceil(height * scale / unit) * unit, math.ceil(width * scale / unit) * unit
-        return rows, cols
-
-    def tokens(self, height: int, width: int) -> int:
-        """The vision tokens an image of ``height`` x ``width`` pixels becomes: its patches, merged ``merge_size``
-        x ``merge_size``."""
-        rows, cols = self.resized(height, width)
-        return (rows // self.patch_size) * (cols // self.patch_size) // self.merge_size**2
 
 
 USER_TURN = "<|im_start|>user\n"

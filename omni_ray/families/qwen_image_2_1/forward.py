@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from omni_ray.qwen_image21 import TOKENS_PER_SLOT
+from omni_ray.families.qwen_image_2_1.facts import TOKENS_PER_SLOT
 
 Shape = tuple[int, int, int]  # (frames, latent rows, latent cols) of an image block
 
