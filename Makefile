@@ -3,6 +3,7 @@
 #
 #   make install   create .venv and install omni-ray with everything it needs (a second run is quick)
 #   make test      install, then run the test suite
+#   make test-fast install, then the tests that start no cluster (the inner loop)
 #   make serve     install, then run the service on its default preset (the tiny model on the CPU)
 
 SHELL := /bin/bash
@@ -22,7 +23,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GPU machines take the CUDA build of vLLM; every other machine the CPU build.
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install test serve bench clean chromium redis wheelhouse gpu-wheels
+.PHONY: install test test-fast serve bench clean chromium redis wheelhouse gpu-wheels
 
 install: $(STAMP) $(TINY_DIR)/model_index.json chromium redis
 
@@ -67,8 +68,13 @@ endif
 $(TINY_DIR)/model_index.json: $(STAMP) omni_ray/checkpoints/tiny.py
 	$(PY) -m omni_ray.checkpoints.tiny $(TINY_DIR)
 
-test: install
-	$(PY) -m pytest
+# The tests that start no cluster run on two workers (pytest-xdist, those that start vLLM last on each), then the
+# served ones one at a time: each scans the machine's processes for its cluster's and would find another's.
+test: test-fast
+	$(PY) -m pytest -m serve
+
+test-fast: install
+	$(PY) -m pytest -m "not serve" -n 2
 
 # `serve run` drops an address file that names a dead cluster and stops cleanly on SIGTERM: deployments/run_hook.py.
 serve: install

@@ -1,6 +1,7 @@
-"""Runs a function on every rank of a gang of spawned CPU processes joined over gloo, for the parallel tests.
+"""Runs a function on every rank of a gang of CPU processes joined over gloo, for the parallel tests.
 
-``run_gang(fn, settings, *args)`` spawns ``settings.world_size`` processes; each joins the process group
+``run_gang(fn, settings, *args)`` starts ``settings.world_size`` processes (forked from a preloaded forkserver, as a
+CPU ``MultiprocExecutor``'s are: ``gang_context``); each joins the process group
 (``Mesh.init`` over a ``file://`` rendezvous), calls ``fn(mesh, *args)`` and sends back what it returns (picklable,
 tensors included). Results come back in rank order; a rank that raised fails the call with its traceback. Every
 process is joined before it returns, so nothing is left behind.
@@ -13,9 +14,8 @@ import pickle
 import tempfile
 import traceback
 
-import torch.multiprocessing as mp
-
 from omni_ray.config import ParallelSettings
+from omni_ray.engine.executor import gang_context
 
 
 def _rank_main(rank: int, fn, settings: ParallelSettings, rendezvous: str, args: tuple, queue) -> None:
@@ -38,7 +38,7 @@ def _rank_main(rank: int, fn, settings: ParallelSettings, rendezvous: str, args:
 
 def run_gang(fn, settings: ParallelSettings, *args, timeout_s: float = 300.0) -> list:
     """``fn(mesh, *args)`` on every rank of ``settings``' gang; their results in rank order."""
-    context = mp.get_context("spawn")
+    context = gang_context("gloo")
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         rendezvous = os.path.join(folder, "rendezvous")

@@ -85,5 +85,7 @@ def encode_all(core, requests) -> tuple[dict, int]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest."""
+    """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest. Under
+    pytest-xdist (``make test-fast``: ``-n 2``) they are handed out last too, so a worker that has run one runs no
+    other kind after it."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)

@@ -7,12 +7,15 @@ import json
 import time
 import urllib.request
 
+import pytest
 import yaml
 from conftest import REPO
 
 from testing.local_serve import LocalServe
 from testing.lora_files import make_adapter
 from testing.serving import scrape, total
+
+pytestmark = pytest.mark.serve  # it starts a local cluster
 
 
 def post(url: str, body: dict) -> dict:

@@ -3,7 +3,7 @@ DiT's (``dit.parallel``) and the VAE's (``vae.parallel``).
 
 An executor runs the same call on every rank's runner, in the same order everywhere (``collective_rpc``), so the
 scheduler in the replica decides once and every rank receives the same batch; rank 0 returns the output.
-``UniProcExecutor`` is world size 1, the runner in the caller's process. ``MultiprocExecutor`` spawns one process per
+``UniProcExecutor`` is world size 1, the runner in the caller's process. ``MultiprocExecutor`` starts one process per
 rank on this machine (the in-process pipeline, tests); ``deployments.gang.RayExecutor`` runs one Ray actor per rank in
 the Serve replica's placement group. Each rank is a ``GangWorker``: it joins the gang's mesh (``Mesh.init``) and
 builds its runner with a picklable ``make_runner(mesh)``.
@@ -87,7 +87,7 @@ class UniProcExecutor(Executor):
 
 class GangWorker:
     """One rank: joins the gang's mesh, builds its runner on it, and runs the calls its executor sends. It lives in a
-    spawned process (``MultiprocExecutor``) or in a Ray actor (``deployments.gang.RankWorker``)."""
+    process of its own (``MultiprocExecutor``) or in a Ray actor (``deployments.gang.RankWorker``)."""
 
     def __init__(self, make_runner: RunnerFactory, settings: GangSettings, rank: int, init_method: str,
                  backend: str):
@@ -119,14 +119,29 @@ def settle(outcomes: list[Outcome], method: Method, unique_reply_rank: int | Non
     return [values[unique_reply_rank]] if unique_reply_rank is not None else values
 
 
+# What a CPU gang's ranks import once, in the forkserver they fork from (before any thread or process group exists).
+GANG_PRELOAD = ["torch", "diffusers", "omni_ray.runners.denoise", "omni_ray.runners.vae", "omni_ray.engine.executor"]
+
+
+def gang_context(backend: str):
+    """How a gang's rank processes start: CPU ranks (gloo) fork from a forkserver that has imported torch, diffusers
+    and the runners once (``GANG_PRELOAD``; a spawned rank imports them again, seconds each); CUDA ranks (nccl) are
+    spawned, as vLLM's are, so that nothing of a CUDA context is inherited."""
+    if backend == "nccl":
+        return get_context("spawn")
+    context = get_context("forkserver")
+    context.set_forkserver_preload(GANG_PRELOAD)  # read when the server starts, by the process's first gang
+    return context
+
+
 def method_name(method: Method) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
 
 
 class MultiprocExecutor(Executor):
-    """A gang of ``settings.world_size`` spawned processes on this machine, one per rank, each talking to this one
-    over a pipe (pickled calls in, pickled outcomes back) and joined to the others over ``backend`` through a
-    ``file://`` rendezvous. On CUDA, rank r sees only the r-th visible GPU."""
+    """A gang of ``settings.world_size`` processes on this machine (``gang_context``), one per rank, each talking to
+    this one over a pipe (pickled calls in, pickled outcomes back) and joined to the others over ``backend`` through
+    a ``file://`` rendezvous. On CUDA, rank r sees only the r-th visible GPU."""
 
     def __init__(self, make_runner: RunnerFactory, settings: GangSettings, backend: str = "gloo",
                  start_timeout_s: float | None = None):
@@ -138,7 +153,7 @@ class MultiprocExecutor(Executor):
         init_method = f"file://{os.path.join(self._folder, 'rendezvous')}"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(self.world_size)]
-        context = get_context("spawn")
+        context = gang_context(backend)
         self._conns, self._processes = [], []
         for rank in range(self.world_size):
             ours, theirs = context.Pipe()
