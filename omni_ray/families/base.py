@@ -57,10 +57,10 @@ class Family:
         if not self.condition_cache and (config.sample_sigmas is not None
                                          or config.dit.cache_memory_bytes is not None):
             raise ValueError(f"sample_sigmas and dit.cache_memory_bytes: {self.title} keeps no condition cache; they "
-                             "are Qwen-Image 2.1's (family: qwen-image-2.1)")
+                             f"are for a family that does (family: {families_with('condition_cache')})")
         if not self.layers and config.edit is not None and config.edit.resolutions is not None:
-            raise ValueError("edit.resolutions: resolution buckets are Qwen-Image-Layered's (family: "
-                             "qwen-image-layered)")
+            raise ValueError(f"edit.resolutions: resolution buckets are for a family that decomposes images into "
+                             f"layers (family: {families_with('layers')})")
 
     def with_checkpoint_settings(self, config):
         """The preset with what its local checkpoint fixes and the preset left out filled in (none by default)."""
@@ -166,6 +166,13 @@ class Family:
     def page_settings(self, config) -> dict:
         """What the web page's family-specific fields offer (``layered``: the Layers fields, None when absent)."""
         return {"layered": None}
+
+
+def families_with(capability: str) -> str:
+    """The registered families that have ``capability`` (a ``Family`` attribute), for a message."""
+    from omni_ray.families import FAMILIES, family_of
+
+    return " or ".join(name for name in FAMILIES if getattr(family_of(name), capability))
 
 
 def read_image_processor(model: str) -> dict | None:
