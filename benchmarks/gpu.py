@@ -339,7 +339,7 @@ SHARED_PRESET = "stage_configs/qwen_image_shared.yaml"
 
 def counts() -> dict:
     """The full-size models built on the meta device from the shipped configs: parameter counts against the
-    published ones (``params`` Qwen-Image's; ``params_by_configs`` each folder of omni_ray/model_configs', which
+    published ones (``params`` Qwen-Image's; ``params_by_configs`` each published configs folder's, which
     share Qwen-Image's shapes but qwen-image-2.1's, another architecture); and the shared-GPU preset's placement
     check, stage by stage (any machine, seconds)."""
     from dataclasses import asdict

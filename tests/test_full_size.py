@@ -1,4 +1,4 @@
-"""Qwen-Image's full-size architecture as shipped (omni_ray/model_configs): the configs load in diffusers',
+"""Qwen-Image's full-size architecture as shipped (omni_ray/families/qwen_image/configs/): the configs load in diffusers',
 transformers' and vLLM's config classes, and the models they build have the published sizes."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_vllm_takes_the_shipped_text_encoder_config(vision):
 
 
 def test_the_qwen_image_2512_presets_load_and_are_qwen_image_s_but_for_their_names():
-    """Qwen-Image-2512 publishes Qwen-Image's architecture (omni_ray/model_configs/README.md): its presets load, name
+    """Qwen-Image-2512 publishes Qwen-Image's architecture (omni_ray/families/CONFIGS.md): its presets load, name
     its checkpoint, and build from the shipped configs, whose parameter counts the dry run above checks."""
     from omni_ray.config import load_config
 
@@ -140,17 +140,19 @@ def test_the_qwen_image_2512_presets_load_and_are_qwen_image_s_but_for_their_nam
 
 def test_the_edit_plus_and_2511_presets_load_and_are_edit_plus_presets_over_qwen_image_s_architecture(tmp_path):
     """Qwen-Image-Edit-2509 and 2511 are QwenImageEditPlusPipeline checkpoints with Qwen-Image's architecture, 2511's
-    transformer with `zero_cond_t: true` (omni_ray/model_configs/README.md): their presets load, take up to three
+    transformer with `zero_cond_t: true` (omni_ray/families/CONFIGS.md): their presets load, take up to three
     images, differ from each other only in their names, checkpoints and configs, and their dummy checkpoints are
     written in the Edit-Plus layout from configs with the published parameter counts."""
-    import typing
-
     from omni_ray import checkpoints
     from omni_ray.checkpoints.full_size import write_configs
     from omni_ray.config import PipelineConfig, load_config
     from testing.full_size import build_meta, parameter_counts
 
-    assert sorted(typing.get_args(PipelineConfig.model_fields["configs"].annotation)) == sorted(published_configs())
+    # A preset's `configs` is any family's published folder, and nothing else.
+    assert published_configs() == ["qwen-image", "qwen-image-2.1", "qwen-image-edit-2511", "qwen-image-layered"]
+    assert [PipelineConfig._published(name) for name in published_configs()] == published_configs()
+    with pytest.raises(ValueError, match="one of qwen-image, qwen-image-2.1, .*got 'qwen-image-3'"):
+        PipelineConfig._published("qwen-image-3")
     presets = REPO / "stage_configs"
     for name in ("qwen_image_edit_plus", "qwen_image_edit_plus_dummy", "qwen_image_edit_plus_tiny",
                  "qwen_image_edit_2511", "qwen_image_edit_2511_dummy"):

@@ -1,6 +1,6 @@
-"""Qwen-Image 2.1's full-size architecture as shipped (omni_ray/model_configs/qwen-image-2.1/): the configs load in
-diffusers' and transformers' config classes, the models they build have the published sizes, and its presets fit
-their GPUs (omni_ray/placement.py)."""
+"""Qwen-Image 2.1's full-size architecture as shipped (omni_ray/families/qwen_image_2_1/configs/qwen-image-2.1/): the
+configs load in diffusers' and transformers' config classes, the models they build have the published sizes, and its
+presets fit their GPUs (omni_ray/placement.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import yaml
 from conftest import REPO
 
-from omni_ray.checkpoints.full_size import MODEL_CONFIGS
+from omni_ray.checkpoints.full_size import configs_dir
 from omni_ray.families.qwen_image_2_1 import facts as qwen_image21
 
-CONFIGS = MODEL_CONFIGS / "qwen-image-2.1"
+CONFIGS = configs_dir("qwen-image-2.1")
 
 
 def test_the_shipped_configs_are_qwen_image_2_1_s_in_diffusers_layout():

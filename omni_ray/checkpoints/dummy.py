@@ -1,6 +1,6 @@
 """A full-size Qwen-Image without weights: the shipped configs and a locally built tokenizer, for `weights: dummy`.
 
-    python -m omni_ray.checkpoints.dummy OUT_DIR             # Qwen-Image's real architecture (omni_ray/model_configs)
+    python -m omni_ray.checkpoints.dummy OUT_DIR             # Qwen-Image's real architecture (its family's configs/)
     python -m omni_ray.checkpoints.dummy OUT_DIR --layers 1  # the same widths, 1 transformer block, 1 encoder layer
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit      # Qwen-Image-Edit's layout: the same, plus processor/
     python -m omni_ray.checkpoints.dummy OUT_DIR --edit-plus # Qwen-Image-Edit-2509's: as --edit, Edit-Plus's pipeline
@@ -32,7 +32,7 @@ import os
 import pathlib
 import shutil
 
-from omni_ray.checkpoints.full_size import BASE_CONFIGS, MODEL_CONFIGS, pipeline_class, published_configs, write_configs
+from omni_ray.checkpoints.full_size import BASE_CONFIGS, configs_dir, pipeline_class, published_configs, write_configs
 
 QWEN_REGULAR_TOKENS = 151_643  # Qwen2's vocabulary before its special tokens
 
@@ -64,13 +64,13 @@ def qwen_sized_tokenizer(model_max_length: int = 131072):
 
 def write_dummy_checkpoint(out_dir: str | pathlib.Path, layers: int | None = None, edit: bool = False,
                            plus: bool = False, configs: str = BASE_CONFIGS) -> pathlib.Path:
-    """Writes the published configs ``configs`` names (omni_ray/model_configs; with ``layers`` transformer blocks,
-    language-model layers and vision blocks, if given) and the tokenizer to ``out_dir``; no weights. ``edit`` writes
-    Qwen-Image-Edit's layout: its pipeline class and Qwen2.5-VL's processor (``processor/``) for the vision path;
+    """Writes the published configs ``configs`` names (in their family's ``configs/``; with ``layers`` transformer
+    blocks, language-model layers and vision blocks, if given) and the tokenizer to ``out_dir``; no weights. ``edit``
+    writes Qwen-Image-Edit's layout: its pipeline class and Qwen2.5-VL's processor (``processor/``) for the vision path;
     ``plus`` (with ``edit``) names Qwen-Image-Edit-2509's and 2511's pipeline class, ``QwenImageEditPlusPipeline``,
-    instead. The edit checkpoints' transformer, VAE and text encoder have Qwen-Image's architecture (2511's
-    transformer sets ``zero_cond_t``: ``configs="qwen-image-edit-2511"``). ``configs="qwen-image-2.1"`` writes
-    Qwen-Image 2.1's layout, which serves edits as it is (neither ``edit`` nor ``plus``)."""
+    instead. The edit checkpoints' transformer, VAE and text encoder have Qwen-Image's architecture (2511's transformer
+    sets ``zero_cond_t``: ``configs="qwen-image-edit-2511"``). ``configs="qwen-image-2.1"`` writes Qwen-Image 2.1's
+    layout, which serves edits as it is (neither ``edit`` nor ``plus``)."""
     if plus and not edit:
         raise ValueError("plus: an Edit-Plus checkpoint is an edit one; set edit as well")
     out = pathlib.Path(out_dir).expanduser()
@@ -112,7 +112,7 @@ def _write_21(partial: pathlib.Path, configs: str, layers: int | None) -> None:
         _edit(partial / "text_encoder" / "config.json", lambda c: (
             c["text_config"].update(num_hidden_layers=layers),
             c["vision_config"].update(depth=layers, deepstack_visual_indexes=[layers - 1])))
-    settings = MODEL_CONFIGS / configs / "processor"
+    settings = configs_dir(configs) / "processor"
     tokenizer_config = json.loads((settings / "tokenizer_config.json").read_text())
     tokenizer = qwen_sized_tokenizer(model_max_length=tokenizer_config["model_max_length"])
     image_processor_config = json.loads((settings / "preprocessor_config.json").read_text())
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     layout.add_argument("--edit-plus", action="store_true",
                         help="Qwen-Image-Edit-2509's and 2511's layout (QwenImageEditPlusPipeline, with processor/)")
     parser.add_argument("--configs", choices=published_configs(), default=BASE_CONFIGS,
-                        help="the published configs to write (omni_ray/model_configs/<configs>/ over qwen-image/'s)")
+                        help="the published configs to write (omni_ray/families/*/configs/<configs>/, over "
+                        "qwen-image/'s)")
     args = parser.parse_args(argv)
     edit = args.edit or args.edit_plus
     out = write_dummy_checkpoint(args.out_dir, args.layers, edit=edit, plus=args.edit_plus, configs=args.configs)

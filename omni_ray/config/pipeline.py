@@ -52,10 +52,10 @@ class PipelineConfig(Frozen):
         "as the pipeline's sample_sigmas; unset, the checkpoint's model_index.json's, read where the preset is read "
         "(none there: requests.default_steps evenly spaced, as the pipeline without them).",
     )
-    configs: Literal["qwen-image", "qwen-image-edit-2511", "qwen-image-2.1", "qwen-image-layered"] = Field(
+    configs: str = Field(
         "qwen-image",
-        description="The published configs (omni_ray/model_configs/<configs>/) a `build_if_missing: dummy` checkpoint "
-        "is written from, and the dry run checks.",
+        description="The published configs a `build_if_missing: dummy` checkpoint is written from, and the dry run "
+        "checks: a folder's name in a family's package (omni_ray/families/<family>/configs/<configs>/).",
     )
     gpus_per_node: PositiveInt | None = Field(
         None,
@@ -121,6 +121,15 @@ class PipelineConfig(Frozen):
         if family not in FAMILIES:
             raise ValueError(f"one of {', '.join(FAMILIES)}, got {family!r}")
         return family
+
+    @field_validator("configs")
+    @classmethod
+    def _published(cls, configs: str) -> str:
+        from omni_ray.checkpoints.full_size import published_configs
+
+        if configs not in published_configs():
+            raise ValueError(f"one of {', '.join(published_configs())}, got {configs!r}")
+        return configs
 
     @model_validator(mode="after")
     def _check_stages(self) -> PipelineConfig:

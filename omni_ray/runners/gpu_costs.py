@@ -8,7 +8,7 @@ figure or a formula, named where it is defined.
 - DiT, one forward pass over N tokens (image tokens ``(H/16)*(W/16)`` plus text tokens):
   ``2 * 6.79e9 * N`` FLOPs for the linear layers (two per weight per token) plus ``4 * 60 * 3072 * N^2`` for joint
   attention (60 blocks, 24 heads of 128 = 3072 wide, QK^T and AV at two FLOPs per multiply-add), from the
-  transformer's published shapes (``omni_ray/model_configs/qwen-image``). A step costs a fixed overhead plus its
+  transformer's published shapes (``omni_ray/families/qwen_image/configs/qwen-image``). A step costs a fixed overhead plus its
   passes (two per request with true CFG) at an effective throughput; both are solved from two published H200 timings:
   0.243 s per step at 1024x1024 with CFG, batch 1 (SGLang issue 22183), and 2.17 s for 20 steps at 512x512 with CFG
   (vLLM-Omni issue 3266). That gives about 796 TFLOP/s and 70 ms per step.

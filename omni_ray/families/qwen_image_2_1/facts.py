@@ -83,8 +83,8 @@ def cache_bytes(condition: int, num_layers: int, inner_dim: int, dtype_bytes: in
 
 
 # The published checkpoint's parameter counts: Qwen/Qwen-Image-2.1's transformer and VAE, and its text encoder
-# (Qwen3-VL-8B-Instruct's architecture, vision tower included), counted from omni_ray/model_configs/qwen-image-2.1/ by
+# (Qwen3-VL-8B-Instruct's architecture, vision tower included), counted from its configs/qwen-image-2.1/ by
 # tests/test_full_size.py. The transformer's and the text encoder's are the hub's own counts for Qwen/Qwen-Image-2.1
-# and Qwen/Qwen3-VL-8B-Instruct (omni_ray/model_configs/README.md).
+# and Qwen/Qwen3-VL-8B-Instruct (omni_ray/families/CONFIGS.md).
 PUBLISHED_PARAMS: dict[str, int] = {"transformer": 7_115_124_736, "vae": 337_740_404, "text_encoder": 8_767_123_696}
 VISION_PARAMS = 576_388_336  # Qwen3-VL-8B's vision tower (deepstack mergers included), inside "text_encoder"
