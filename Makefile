@@ -68,13 +68,14 @@ endif
 $(TINY_DIR)/model_index.json: $(STAMP) omni_ray/checkpoints/tiny.py
 	$(PY) -m omni_ray.checkpoints.tiny $(TINY_DIR)
 
-# The tests that start no cluster run on two workers (pytest-xdist, those that start vLLM last on each), then the
-# served ones one at a time: each scans the machine's processes for its cluster's and would find another's.
+# The tests that start no cluster run on two workers (pytest-xdist: those that start vLLM last on each, those that
+# build a full-width model one at a time on one), then the served ones one at a time: each scans the machine's
+# processes for its cluster's and would find another's.
 test: test-fast
 	$(PY) -m pytest -m serve
 
 test-fast: install
-	$(PY) -m pytest -m "not serve" -n 2
+	$(PY) -m pytest -m "not serve" -n 2 --dist loadgroup
 
 # `serve run` drops an address file that names a dead cluster and stops cleanly on SIGTERM: deployments/run_hook.py.
 serve: install

@@ -87,5 +87,9 @@ def encode_all(core, requests) -> tuple[dict, int]:
 def pytest_collection_modifyitems(config, items):
     """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest. Under
     pytest-xdist (``make test-fast``: ``-n 2``) they are handed out last too, so a worker that has run one runs no
-    other kind after it."""
+    other kind after it. Those that build a full-width model (``full_width``) go to one worker, one after another
+    (``--dist loadgroup``): two at once would pass the CI machine's 24 GiB."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    for item in items:
+        if item.get_closest_marker("full_width") is not None:
+            item.add_marker(pytest.mark.xdist_group("full_width"))

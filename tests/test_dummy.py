@@ -51,6 +51,7 @@ def test_presets_refuse_dummy_settings_that_cannot_work(reduced):
 
 
 @pytest.mark.vllm  # the encoder is vLLM's, in this process
+@pytest.mark.full_width
 def test_a_reduced_dummy_app_runs_every_stage_and_returns_an_image(reduced):
     from omni_ray.pipeline import Pipeline
 
@@ -67,6 +68,7 @@ def test_a_reduced_dummy_app_runs_every_stage_and_returns_an_image(reduced):
 
 
 @pytest.mark.vllm  # the encoder is vLLM's, with its vision tower, in this process
+@pytest.mark.full_width
 def test_a_reduced_dummy_edit_app_edits_an_image(tmp_path):
     """Qwen-Image-Edit's layout without weights: vLLM's dummy load format builds the vision tower too."""
     from omni_ray.api.images import load_input_images
@@ -91,7 +93,7 @@ def test_a_reduced_dummy_edit_app_edits_an_image(tmp_path):
     assert image.dit_passes == {"computed": 4, "reused": 0}
 
 
-
+@pytest.mark.full_width
 def test_a_reduced_dummy_edit_2511_app_edits_two_images(tmp_path):
     """Qwen-Image-Edit-2511's layout without weights (Edit-Plus's pipeline, zero_cond_t): two input images through
     vLLM's vision path in one sequence, the VAE and the 1-layer transformer."""

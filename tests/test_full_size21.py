@@ -231,6 +231,7 @@ def test_a_reduced_dummy_keeps_2_1_s_widths():
 
 
 @pytest.mark.vllm  # the encoder is vLLM's, with its vision tower, in this process
+@pytest.mark.full_width
 def test_a_reduced_dummy_2_1_app_generates_and_edits_at_full_width(tmp_path):
     """Qwen-Image 2.1's widths (Qwen3-VL-8B's 4,096, the transformer's 32 heads of 128, the VAE's 64 channels) with
     one block and one language-model layer, random weights, through the three engines: the full-size code path at a
