@@ -10,7 +10,7 @@ and the page every two, while
     the DiT's lower step batch seen in the steps it runs); then one with a key the DiT cannot change live:
     `deployments.check` reports it, Serve keeps the replicas, and the DiT says why it kept its settings;
 (d) the GCS is killed with SIGKILL for 25 s: requests keep being answered (four clients meanwhile, one streaming),
-    and so is every `/health` and `/v1/models` read, within a second;
+    and so is every `/health` and `/v1/models` read, within the readiness probe's 2 s;
 (e) the GCS is started again with the head's own command line, as a KubeRay head pod's restart does: the Serve
     controller reports the app healthy, and replaces a replica killed afterwards.
 
@@ -363,11 +363,15 @@ def test_every_change_the_docs_promise_and_a_gcs_outage_under_load_answer_every_
     assert any(count for size, count in steps_before.items() if size > 2), steps_before
     ran_since = steps_after - steps_at_c
     assert sum(ran_since.values()) > 0 and max(ran_since) <= 2, ran_since
-    # (d): every read during the outage answered within a second, and requests kept being answered.
+    # (d): every read during the outage answered within the 2 s the pods' readiness probe allows a read
+    # (k8s/rayservice.yaml), nine in ten within a second (a read that waited on the GCS would wait out its RPC's
+    # timeout, several seconds; one CPU-starved on the CI machine's two cores took 1.4 s), and requests kept being
+    # answered.
     for path, reads in outage.items():
         assert len(reads) >= OUTAGE_S / 2, (path, len(reads))
-        assert all(p.status == 200 and p.seconds <= 1.0 for p in reads), (path, [p for p in reads
-                                                                                 if p.seconds > 1.0][:5])
+        assert all(p.status == 200 and p.seconds <= 2.0 for p in reads), (path, [p for p in reads
+                                                                                 if p.seconds > 2.0][:5])
+        assert sum(p.seconds <= 1.0 for p in reads) >= 0.9 * len(reads), (path, sorted(p.seconds for p in reads))
     assert len(answered_in_outage) >= 2 * OUTAGE_CLIENTS and any(a.streamed for a in answered_in_outage)
     # (e)
     assert recovery["proxies"] == ["HEALTHY"], recovery
