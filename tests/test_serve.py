@@ -29,18 +29,27 @@ from testing.serving import (
     total,
     within_one_level,
 )
+from testing.traces import format_tree, ours, read_spans, request_traces
 
 pytestmark = pytest.mark.serve
+
+TRACING = {"enabled": True, "exporter_import_path": "omni_ray.tracing.export:jsonl", "sampling_ratio": 1.0}
+CLIENT_SPANS = ["decode", "decode", "denoise", "denoise", "encode_prompt", "request"]
+ENGINE_SPANS = ["dit.denoise", "dit.denoise", "encoder.encode", "vae.decode", "vae.decode"]
 @pytest.fixture(scope="module")
 def served(tiny_dir, tmp_path_factory):
     """`serve run` on the repository's config.yaml (a free port, the test checkpoint) on a fresh local cluster, its
-    preset allowing run-time adapters from one folder."""
-    adapters = tmp_path_factory.mktemp("adapters")
+    preset allowing run-time adapters from one folder, Ray Serve's tracing on (``tracing_config``) with omni-ray's
+    JSON-lines exporter, every process writing its spans under one directory."""
+    adapters, spans = tmp_path_factory.mktemp("adapters"), tmp_path_factory.mktemp("spans")
     preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
     preset["lora"] = {"allow_runtime_updates": True, "roots": [str(adapters)]}
-    with LocalServe(REPO / "config.yaml", model=str(tiny_dir), preset=preset) as local:
+    config = {**yaml.safe_load((REPO / "config.yaml").read_text()), "tracing_config": TRACING}
+    path = tmp_path_factory.mktemp("config") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with LocalServe(path, model=str(tiny_dir), preset=preset, env={"OMNI_RAY_TRACE_DIR": str(spans)}) as local:
         yield {"base": local.base_url, "address": local.address, "client": local.client_address,
-               "metrics": local.metrics_url, "local": local, "adapters": adapters}
+               "metrics": local.metrics_url, "local": local, "adapters": adapters, "spans": spans}
 
 
 @pytest.fixture(scope="module")
@@ -691,6 +700,61 @@ def sse_outcome(served, body) -> tuple[int, list[dict]]:
 # CI run in 5, was one object of 111 KB and a few small ones (150 KB in all), the large one a local reference of a Serve
 # worker process from a task that had finished.
 SERVE_OWN_OBJECTS = 1 << 20
+
+
+def post_traced(url: str, body: dict, request_id: str) -> int:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      "x-request-id": request_id})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        assert len(json.loads(response.read())["data"]) == body["n"]
+        return response.status
+
+
+def trace_of(spans_dir, request_id: str, expected: int, timeout_s: float = 20.0) -> list[dict]:
+    """The request's trace once ``expected`` of omni-ray's spans are written (Ray's own end a little later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        trace = request_traces(read_spans(spans_dir)).get(request_id, [])
+        if len(ours(trace)) >= expected or time.monotonic() > deadline:
+            return trace
+        time.sleep(0.2)
+
+
+def test_each_request_is_one_trace_across_the_coordinator_and_the_stage_replicas(served):
+    local, spans_dir = served["local"], served["spans"]
+    for request_id in ("traced-1", "traced-2"):
+        body = {"prompt": "a lighthouse", "size": "64x64", "n": 2, "num_inference_steps": 3, "user": "team-a"}
+        assert post_traced(local.base_url + "/v1/images/generations", body, request_id) == 200
+    first = trace_of(spans_dir, "traced-1", len(CLIENT_SPANS) + len(ENGINE_SPANS))
+    second = trace_of(spans_dir, "traced-2", len(CLIENT_SPANS) + len(ENGINE_SPANS))
+    print("\n" + format_tree(first))
+    assert first[0]["trace_id"] != second[0]["trace_id"]
+    for trace in (first, second):
+        names = sorted(span["name"] for span in ours(trace))
+        assert names == sorted(CLIENT_SPANS + ENGINE_SPANS), names
+        assert any(span["name"].startswith("replica_handle_request") for span in trace)  # Ray's, between ours
+    # Every span of the request, wherever it ran, is in the one trace: none of its calls started another.
+    calls = [span for span in read_spans(spans_dir) if span["attributes"].get("omni_ray.request_id") == "traced-1"
+             or span["attributes"].get("omni_ray.call_id") in ("traced-1", "traced-1-0", "traced-1-1")]
+    assert {span["trace_id"] for span in calls} == {first[0]["trace_id"]} and len(calls) == len(ours(first))
+    # Four processes: the coordinator's and each stage replica's.
+    pids = {span["name"]: span["pid"] for span in ours(first)}
+    assert len({pids["request"], pids["encoder.encode"], pids["dit.denoise"], pids["vae.decode"]}) == 4
+    assert pids["request"] == pids["denoise"] == pids["decode"] == pids["encode_prompt"]
+    # Each replica span descends from the coordinator's span of its call (through Ray Serve's own spans).
+    by_id = {span["span_id"]: span for span in first}
+    for span in ours(first):
+        if span["name"] not in ENGINE_SPANS:
+            continue
+        parent = by_id.get(span["parent_id"])
+        while parent is not None and "omni_ray.stage" not in parent["attributes"]:
+            parent = by_id.get(parent["parent_id"])
+        assert parent is not None and parent["attributes"]["omni_ray.call_id"] == span["attributes"][
+            "omni_ray.call_id"] and parent["kind"] == "CLIENT", span
+        if span["name"] == "dit.denoise":
+            assert span["attributes"]["omni_ray.tenant"] == "team-a"
+            assert [event["attributes"]["step"] for event in span["events"]] == [1, 2, 3]
+            assert [event["attributes"]["step"] for event in parent["events"]] == [1, 2, 3]
 
 
 def test_mixed_load_survives_the_death_of_each_stage_replica(served, reference):

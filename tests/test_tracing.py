@@ -1,5 +1,5 @@
 """One trace per request without a Ray cluster: the coordinator over fake stages, its spans in an in-memory exporter
-(``omni_ray.tracing``). test_serve_tracing.py follows the same spans across the replicas of a served app."""
+(``omni_ray.tracing``). test_serve.py follows the same spans across the replicas of a served app."""
 
 import asyncio
 import types
