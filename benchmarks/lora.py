@@ -38,7 +38,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
     from omni_ray.engine.core import DiTEngineCore
     from omni_ray.engine.dit_scheduler import DiTScheduler
     from omni_ray.engine.lora_residency import LoraResidency
-    from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
+    from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef, stack_id
     from omni_ray.runners.denoise import DenoiseRunner
     from omni_ray.runners.lora import AdapterFiles, read_lora
     from testing.lora_files import TARGETS, make_adapter
@@ -46,7 +46,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
 
     class OneAdapterPerBatch(DiTScheduler):
         def batch_key(self, request):
-            return (*request.batch_key, request.params.lora.name if request.params.lora else None)
+            return (*request.batch_key, stack_id(request.params.loras))
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     checkpoint = pathlib.Path.home() / ".cache" / "omni-ray" / "bench-small"
@@ -63,7 +63,7 @@ def run(size: tuple[int, int], steps: int, rank: int, concurrency: int, repeats:
     layers = [read_lora(path, runner.lora_shapes) for path in paths]
 
     def request(i: int, lora, num_steps: int = steps) -> DenoiseRequest:
-        params = DenoiseParams(height, width, num_steps, 1000 + i, 4.0, lora=lora, true_cfg=True)
+        params = DenoiseParams(height, width, num_steps, 1000 + i, 4.0, loras=(lora,) if lora else (), true_cfg=True)
         return DenoiseRequest(uuid.uuid4().hex, params, embeds[i % len(embeds)], negative)
 
     def stream(scheduler_class) -> float:

@@ -81,13 +81,13 @@ class DiT(StageDeployment):
                                  control_latents)
         timings = upstream_timings(encoded, *image_latents, *([start_latents] if start_latents is not None else []),
                                    *control_latents)
-        if params.lora is not None:
-            await self._route(params.lora.name)
+        for lora in params.loras:
+            await self._route(lora.name)
         self.load.add(request_id, params.priority, request.work_tokens, params.steps_run, 2 if params.true_cfg else 1,
                       params.tenant, size_key(params.height, params.width, params.true_cfg))
         try:
             with self._lost_with_gang(StageCall.DENOISE):
-                async with self.loras.use(params.lora):
+                async with self.loras.use(params.loras):
                     items = self._stream(request, f"denoised ({params.steps_run} steps)", timings)
                     async for item in write_step_stream(self._count_passes(items)):
                         if isinstance(item, StepDone):

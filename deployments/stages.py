@@ -40,6 +40,7 @@ from omni_ray.records import (
     OutputMode,
     Preview,
     StepDone,
+    stack_id,
 )
 from omni_ray.request_path import DenoiseEvent, Stages
 
@@ -112,7 +113,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         request is reserved there under ``request_id`` and the router sends its denoise calls there. None when no
         replica answers within ``timeout_s`` (none is running, say): the request is then admitted and waits as any
         other."""
-        dit = self.dit_calls.options(multiplexed_model_id=plan.lora.name) if plan.lora is not None else self.dit_calls
+        dit = self.dit_calls.options(multiplexed_model_id=stack_id(plan.loras)) if plan.loras else self.dit_calls
         response = dit.estimate.remote(plan.request.priority, plan.work_tokens, plan.steps_run, plan.request.n,
                                        2 if plan.true_cfg else 1, plan.tenant, plan.timeout_s, budget_s,
                                        reservation=request_id, key=size_key(plan.height, plan.width, plan.true_cfg))
@@ -169,7 +170,7 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
         extra = {"start": await _upstream(start, "vae", StageCall.ENCODE_IMAGE)} if start is not None else {}
         if controls:
             extra["controls"] = tuple([await _upstream(latents, "vae", StageCall.ENCODE_IMAGE) for latents in controls])
-        dit = self.dit.options(multiplexed_model_id=params.lora.name) if params.lora is not None else self.dit
+        dit = self.dit.options(multiplexed_model_id=stack_id(params.loras)) if params.loras else self.dit
         stream = dit.denoise.remote(request_id, params, *inputs, **extra)
         try:
             # Steps are fetched (they are small); previews and latents stay references, for the VAE to read.

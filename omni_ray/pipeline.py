@@ -94,7 +94,7 @@ class LocalStages(Stages[object]):
                                  control_latents)
         timings = upstream_timings(encoded, *images, *([start_latents] if start_latents is not None else []),
                                    *control_latents)
-        async with self.loras.use(params.lora):
+        async with self.loras.use(params.loras):
             async for item in self.dit.stream(request, timings):
                 yield item  # the engine's typed stream; its latents are the handles
 

@@ -38,6 +38,12 @@ class LoraRef:
         return (self.name, self.path)
 
 
+def stack_id(loras: tuple[LoraRef, ...]) -> str:
+    """A stack of adapters as Serve's multiplexed model id: "" for none, the adapter's name for one, the names
+    joined by ',' (which no adapter name holds) for more (``deployments.routing`` prefers replicas holding most)."""
+    return ",".join(lora.name for lora in loras)
+
+
 @dataclass(frozen=True, slots=True)
 class InputImages:
     """An edit's input images, decoded and resized once by the API: what the VAE encodes (each at its working size,
@@ -171,7 +177,8 @@ class DenoiseParams:
     seed: int
     true_cfg_scale: float = 1.0
     cache: CacheSettings | None = None  # DiT cache acceleration; never splits a batch
-    lora: LoraRef | None = None  # a LoRA adapter resident in the runner; never splits a batch either
+    loras: tuple[LoraRef, ...] = ()  # LoRA adapters resident in the runner, each at its scale, their updates
+    # summed (a stack; one for `model`'s adapter); never split a batch either
     previews: tuple[int, ...] = ()  # steps after which to hand back the clean image the step predicts
     true_cfg: bool = False  # runs the unconditional pass beside the conditional one
     priority: int = 0  # lower runs first; the DiT pauses lower-priority requests at a step boundary for it

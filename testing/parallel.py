@@ -2,9 +2,10 @@
 
 ``denoise_mix(mesh, model, adapters, steps)`` admits the same requests on whatever rank calls it: rows of two
 prompts of different lengths, with and without true CFG, with first-block cache and TeaCache, with two different
-LoRA adapters and without, and an edit with an input image's latents; an odd-sized image (15 tokens) so that a
-sequence split pads. Each batch key's requests step together through ``DenoiseRunner.execute_model``, as the engine
-runs them. Returns every request's final latents, and the bytes this rank sent per step.
+LoRA adapters, both stacked (each at its scale) and none, and an edit with an input image's latents; an odd-sized
+image (15 tokens) so that a sequence split pads. Each batch key's requests step together through
+``DenoiseRunner.execute_model``, as the engine runs them. Returns every request's final latents, and the bytes this
+rank sent per step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[lis
     prompts = [PromptEmbeds(torch.randn(n, dim, generator=generator)) for n in (7, 12)]
     negative = PromptEmbeds(torch.randn(5, dim, generator=generator))
     a, b = (LoraRef(name, path, scale) for (name, path), scale in zip(sorted(adapters.items()), (1.0, 0.7)))
+    half_b = LoraRef(b.name, b.path, 0.5)  # the second adapter of a stack, at its own scale
 
     def request(rid, prompt, height=48, width=80, cfg=False, **params):
         params = DenoiseParams(height, width, steps, seed=len(rid) * 7 + ord(rid[-1]), true_cfg=cfg,
@@ -36,11 +38,12 @@ def mix_requests(dim: int, adapters: dict[str, str], steps: int = 4) -> list[lis
     image = Latents(torch.randn(2 * 3, 64, generator=generator), 32, 48)  # an edit's input image, 2x3 tokens
     extra = {"edit": {"images": (image,)}}
     return [
-        [request("plain-a", 0, lora=a), request("plain-b", 1, lora=b), request("cached", 0, cache=FIRST_BLOCK),
-         request("base", 1), request("tea", 1, cache=TEACACHE)],
-        [request("cfg-a", 0, cfg=True, lora=a), request("cfg-tea", 1, cfg=True, cache=TEACACHE),
-         request("cfg-b", 1, cfg=True, lora=b), request("cfg-plain", 0, cfg=True)],
-        [request("edit", 0, height=64, width=64, lora=b)],
+        [request("plain-a", 0, loras=(a,)), request("plain-b", 1, loras=(b,)), request("cached", 0, cache=FIRST_BLOCK),
+         request("base", 1), request("tea", 1, cache=TEACACHE), request("stack-ab", 0, loras=(a, half_b))],
+        [request("cfg-a", 0, cfg=True, loras=(a,)), request("cfg-tea", 1, cfg=True, cache=TEACACHE),
+         request("cfg-b", 1, cfg=True, loras=(b,)), request("cfg-plain", 0, cfg=True),
+         request("cfg-stack-ba", 1, cfg=True, loras=(b, a))],
+        [request("edit", 0, height=64, width=64, loras=(b,))],
     ]
 
 

@@ -56,7 +56,7 @@ class UnfusedDenoiseRunner(DenoiseRunner):
         if states[0].image is not None:
             latents = torch.cat([latents, torch.cat([s.image for s in states])], dim=1)
         timesteps = torch.stack([s.scheduler.timesteps[s.step_index] for s in states])
-        shapes, loras = [s.img_shapes for s in states], [s.params.lora for s in states]
+        shapes, loras = [s.img_shapes for s in states], [s.params.loras for s in states]
         steps = [(s.step_index, s.num_steps) for s in states]
 
         def branch(texts, index):

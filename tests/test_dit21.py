@@ -290,7 +290,7 @@ def test_an_adapter_applies_to_its_row_only_and_equals_diffusers(pipe, runner, a
     the adapter's equals diffusers' load_lora_weights (PEFT) at the same scale."""
     inputs = Inputs(pipe, condition_images()[:1])
     lora = LoraRef("A", adapter, 0.7)
-    adapted = inputs.request("adapted", "a red cat", "blurry", lora=lora)
+    adapted = inputs.request("adapted", "a red cat", "blurry", loras=(lora,))
     plain = inputs.request("plain", "a red cat", "blurry")
     alone = {r.request_id: run_alone(runner, r) for r in (adapted, plain)}
     rows = record_rows(runner)

@@ -85,11 +85,11 @@ def make_requests(dim: int, adapters: dict[str, str]) -> dict[str, DenoiseReques
     return {request.request_id: request for request in (
         DenoiseRequest("slow", params(1, 6, 2, previews=(2, 4), cache=tea), short),
         DenoiseRequest("mask", params(2, 6, 2, previews=(4,), inpaint=Inpaint(mask, 0.6)), long, start=start),
-        DenoiseRequest("doomed", params(3, 4, 2, lora=LoraRef("B", adapters["B"])), long),
+        DenoiseRequest("doomed", params(3, 4, 2, loras=(LoraRef("B", adapters["B"]),)), long),
         DenoiseRequest("late", params(4, 4, 2, cache=first_block), long),
         DenoiseRequest("urgent", params(5, 3, 0, previews=(1,), true_cfg=True, true_cfg_scale=4.0, cache=first_block),
                        short, negative),
-        DenoiseRequest("styled", params(6, 3, 1, lora=LoraRef("A", adapters["A"], 0.8)), short),
+        DenoiseRequest("styled", params(6, 3, 1, loras=(LoraRef("A", adapters["A"], 0.8),)), short),
         DenoiseRequest("edit", params(7, 2, 1), long, images=(image,)),
     )}
 

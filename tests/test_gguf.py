@@ -122,11 +122,14 @@ def test_an_edit_with_a_gguf_dit_is_diffusers_edit_with_the_same_file(files, edi
 
 def test_a_step_of_gguf_rows_with_and_without_an_adapter_a_cache_and_an_edit_gives_each_row_alone(
         files, tiny_dir, tmp_path):
-    """Text-to-image rows share one step batch (plain, an adapter's, a first-block cache's), edit rows another (their
-    image tokens make another batch key): each row's latents are its own run alone's."""
+    """Text-to-image rows share one step batch (plain, an adapter's, a stack of two adapters', a first-block
+    cache's), edit rows another (their image tokens make another batch key): each row's latents are its own run
+    alone's."""
     runner = DenoiseRunner.load(str(tiny_dir), weights_file=str(files["Q4_0"]))
     adapter = str(make_adapter(tiny_dir, tmp_path / "A", rank=4, alpha=8, seed=1))
+    other = str(make_adapter(tiny_dir, tmp_path / "B", rank=2, seed=2, targets=("to_q", "to_v", "img_mlp.net.2")))
     runner.add_lora(("A", adapter), read_lora(adapter, runner.lora_shapes))
+    runner.add_lora(("B", other), read_lora(other, runner.lora_shapes))
     prompt, negative = PromptEncoder(str(tiny_dir)).encode(["a red cat", "blurry"])
     image = (Latents(torch.randn(16, 64, generator=torch.Generator().manual_seed(9)), 64, 64),)
     lora, cache = LoraRef("A", adapter, 0.8), CacheSettings(kind="first_block", threshold=2.0)
@@ -140,13 +143,16 @@ def test_a_step_of_gguf_rows_with_and_without_an_adapter_a_cache_and_an_edit_giv
             runner.step(states)
         return [runner.finish(state).latents for state in states], states
 
-    texts = [(params(1), ()), (params(2, lora=lora), ()), (params(3, cache=cache), ())]
-    edits = [(params(4), image), (params(5, lora=lora), image)]
+    stack = (LoraRef("B", other, 1.5), lora)
+    texts = [(params(1), ()), (params(2, loras=(lora,)), ()), (params(3, cache=cache), ()),
+             (params(2, loras=stack), ())]
+    edits = [(params(4), image), (params(5, loras=(lora,)), image), (params(5, loras=stack), image)]
     for rows in (texts, edits):
         together, _ = run(rows)
         for i, row in enumerate(rows):
             assert_reordered(together[i], run([row])[0][0], i)
         assert (together[0] - together[1]).abs().max() > 1e-2  # the adapter took effect
+        assert (together[1] - together[-1]).abs().max() > 1e-2  # and the stack's second one
     assert sum(c.reused for c in run(texts)[1][2].caches) > 0, "the cached row never reused"
 
 

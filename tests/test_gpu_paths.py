@@ -23,7 +23,8 @@ def denoise(runner: DenoiseRunner, loras: list, steps: int = 2) -> list[torch.Te
     generator = torch.Generator().manual_seed(0)
     dim = runner.transformer.config.joint_attention_dim
     prompt, negative = (PromptEmbeds(torch.randn(length, dim, generator=generator)) for length in (12, 9))
-    states = [runner.prepare(DenoiseParams(64, 64, steps, 0, 4.0, lora=lora, true_cfg=True), prompt, negative)
+    states = [runner.prepare(DenoiseParams(64, 64, steps, 0, 4.0, loras=(lora,) if lora else (), true_cfg=True),
+                             prompt, negative)
               for lora in loras]
     for _ in range(steps):
         runner.step(states)

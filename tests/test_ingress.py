@@ -240,7 +240,7 @@ def test_a_run_time_adapter_s_recipe_fills_the_fields_a_request_leaves_out(confi
     assert client.post("/v1/images/generations", json={**body, "quality": "auto"}).status_code == 200
     recipe, own, auto = (call.args[1] for call in stages.calls_to("denoise"))
     assert auto.num_inference_steps == 3  # quality "auto", as SDKs send it, leaves the steps to the recipe
-    assert (recipe.num_inference_steps, recipe.true_cfg, recipe.lora.name) == (3, False, "fast")
+    assert (recipe.num_inference_steps, recipe.true_cfg, [lora.name for lora in recipe.loras]) == (3, False, ["fast"])
     assert recipe.scheduler == (("shift", 3.0), ("use_dynamic_shifting", False))
     assert (own.num_inference_steps, own.true_cfg, own.true_cfg_scale) == (2, True, 2.0)
     assert own.scheduler == recipe.scheduler
@@ -299,7 +299,7 @@ def test_coordinators_sharing_a_store_serve_each_others_adapters(config):
     for client in (second, later):
         assert client.post("/v1/images/generations", json=body).status_code == 200
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [config.name, "style"]
-    lora = stages.calls_to("denoise")[-1].args[1].lora
+    (lora,) = stages.calls_to("denoise")[-1].args[1].loras
     assert (lora.name, lora.path) == ("style", "/adapters/s")
     assert second.post("/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "/adapters/s"}).status_code \
         == 400
@@ -549,3 +549,64 @@ def test_connecting_again_closes_a_connection_left_open(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda address, **options: calls.append(address))
     client.connect_ray("127.0.0.1:6379")
     assert calls == ["shutdown", "127.0.0.1:6379"]
+
+
+def test_a_stack_of_adapters_rides_to_the_dit_and_each_bad_one_is_a_400_naming_its_field(config, edit_dir):
+    """``loras`` (JSON, and JSON text in a multipart edit's form): each adapter with its scale reaches the DiT, one
+    recipe's fields apply; every refusal names its field and no stage is called."""
+    recipe = {"num_inference_steps": 3, "true_cfg_scale": 1.0, "scheduler": {"shift": 3.0}}
+    config = config.model_copy(update={
+        "loras": {"A": LoraEntry(path="/a"), "T": LoraEntry(path="/t"), "B": LoraEntry(path="/b"),
+                  "L": LoraEntry(path="/l", recipe=recipe), "M": LoraEntry(path="/m", recipe=recipe)},
+        "dit": config.dit.model_copy(update={"max_loras": 4})})
+    client, stages = client_for(config)
+    body = {"prompt": "a cat", "negative_prompt": "blurry", "size": "64x64"}
+    stack = [{"name": "L", "scale": 1.0}, {"name": "T", "scale": 0.6}]
+    assert client.post("/v1/images/generations", json={**body, "loras": stack}).status_code == 200
+    assert client.post("/v1/images/generations", json={**body, "model": config.name, "loras": [{"name": "A"}]}
+                       ).status_code == 200
+    assert client.post("/v1/images/generations", json={**body, "loras": []}).status_code == 200  # the base model
+    with_recipe, one, none = (call.args[1] for call in stages.calls_to("denoise"))
+    assert [(lora.name, lora.path, lora.scale) for lora in with_recipe.loras] == [("L", "/l", 1.0), ("T", "/t", 0.6)]
+    assert (with_recipe.num_inference_steps, with_recipe.true_cfg) == (3, False)
+    assert with_recipe.scheduler == (("shift", 3.0),)
+    assert [(lora.name, lora.scale) for lora in one.loras] == [("A", 1.0)] and none.loras == ()
+    assert (one.num_inference_steps, one.true_cfg) == (config.requests.default_steps, True)
+
+    calls = len(stages.calls)
+    refused = [
+        ({"loras": [{"name": "A"}, {"name": "X"}]}, "loras[1].name", "'X' is not an adapter here"),
+        ({"loras": [{"name": "A"}, {"name": "A", "scale": 0.5}]}, "loras[1].name", "named twice"),
+        ({"loras": [{"name": "A", "scale": 11}]}, "loras[0].scale", "less than or equal to 10"),
+        ({"loras": [{"name": "A", "scale": -0.5}]}, "loras[0].scale", "greater than or equal to 0"),
+        ({"loras": [{"scale": 1.0}]}, "loras[0].name", "Field required"),
+        ({"loras": [{"name": "A", "weight": 1.0}]}, "loras[0].weight", "unknown parameter"),
+        ({"loras": {"name": "A"}}, "loras", "valid list"),
+        ({"loras": [{"name": "L"}, {"name": "M"}]}, "loras", "'L' and 'M' both have a sampling recipe"),
+        ({"loras": [{"name": n} for n in "ATBL"]}, "loras", "at most 3 (lora.max_per_request)"),
+        ({"model": "A", "loras": [{"name": "T"}]}, "loras", "put 'A' in `loras`"),
+        ({"loras": [{"name": "T"}], "lora_scale": 0.5}, "lora_scale", "each adapter has its own scale"),
+    ]
+    for extra, param, says in refused:
+        response = client.post("/v1/images/generations", json={**body, **extra})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == param and says in error["message"], (extra, error)
+    slots = config.model_copy(update={"dit": config.dit.model_copy(update={"max_loras": 2})})
+    response = client_for(slots)[0].post("/v1/images/generations", json={**body, "loras": stack + [{"name": "A"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "loras"
+    assert "at most 2 (the DiT's max_loras slots)" in response.json()["error"]["message"]
+    assert len(stages.calls) == calls  # none reached a stage
+
+    edit_config = load_config(REPO / "stage_configs/qwen_image_edit_tiny.yaml", model=str(edit_dir))
+    edit_config = edit_config.model_copy(update={"loras": config.loras})
+    edits, edit_stages = client_for(edit_config)
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((64, 64, 3), 200, np.uint8)).save(buffer, format="PNG")
+    files = {"image": ("a.png", buffer.getvalue(), "image/png")}
+    form = {"prompt": "make it blue", "loras": json.dumps(stack)}
+    assert edits.post("/v1/images/edits", data=form, files=files).status_code == 200
+    (params,) = (call.args[1] for call in edit_stages.calls_to("denoise"))
+    assert [(lora.name, lora.scale) for lora in params.loras] == [("L", 1.0), ("T", 0.6)]
+    response = edits.post("/v1/images/edits", data={**form, "loras": "[{'name': 'A'}]"}, files=files)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "loras"
+    assert "expected a JSON list" in response.json()["error"]["message"]

@@ -64,7 +64,7 @@ def test_a_step_of_int8_rows_with_and_without_an_adapter_and_a_cache_gives_each_
     runner = DenoiseRunner.load(str(tiny_dir), quantization="int8")
     adapter = str(make_adapter(tiny_dir, tmp_path / "A", rank=4, alpha=8, seed=1))
     runner.add_lora(("A", adapter), read_lora(adapter, runner.lora_shapes))
-    rows = [_params(1), _params(2, lora=LoraRef("A", adapter, 0.8)),
+    rows = [_params(1), _params(2, loras=(LoraRef("A", adapter, 0.8),)),
             _params(3, cache=CacheSettings(kind="first_block", threshold=2.0))]
     together = _denoise(runner, rows, *prompts)
     for i, row in enumerate(rows):

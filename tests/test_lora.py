@@ -210,7 +210,8 @@ def test_a_step_batch_of_different_adapters_equals_each_alone(tiny_dir, adapters
                LoraRef("A", adapters["A"], 0.4)]
     caches = [None, CacheSettings(kind="first_block", threshold=0.2), None, None]
     requests = [DenoiseRequest(f"r{i}", DenoiseParams(64, 64, 4, 7, 4.0, caches[i], true_cfg=True,
-                                                       lora=choices[i]), prompts[i], negatives[i])
+                                                       loras=(choices[i],) if choices[i] else ()), prompts[i],
+                               negatives[i])
                 for i in range(4)]
 
     def run(batch):
@@ -266,10 +267,10 @@ def test_each_row_adds_its_own_update():
     x = torch.randn(4, 50, 64, generator=generator)
     choices = [LoraRef("A", "A"), LoraRef("B", "B", 0.8), None, LoraRef("A", "A", 0.4)]
     with torch.no_grad():
-        with table.applied(table.rows(choices)):
+        with table.applied(table.rows([(c,) if c else () for c in choices])):
             together = model(x)
         for row, choice in enumerate(choices):
-            with table.applied(table.rows([choice])):
+            with table.applied(table.rows([(choice,) if choice else ()])):
                 assert_reordered(together[row], model(x[row : row + 1])[0], row)
         base = model[0].base(x)
     assert torch.equal(together[2], base[2]) and not torch.allclose(together[0], base[0])  # the same batch
@@ -310,15 +311,15 @@ def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
         dit = FakeDiT()
         residency = LoraResidency(dit, max_loras=2, files=SimpleNamespace(read=reader))
         ref = {name: LoraRef(name, name.lower()) for name in "ABCD"}
-        async with residency.use(ref["A"]):
-            async with residency.use(ref["B"]):
+        async with residency.use((ref["A"],)):
+            async with residency.use((ref["B"],)):
                 pass
-            async with residency.use(ref["A"]):  # resident: no second load
+            async with residency.use((ref["A"],)):  # resident: no second load
                 pass
-            async with residency.use(ref["C"]):  # B is the least recently used idle one
+            async with residency.use((ref["C"],)):  # B is the least recently used idle one
                 assert dit.held == {ref["A"].key, ref["C"].key}
             # A (in use) and C (idle) are resident: C leaves for D, not A.
-            async with residency.use(ref["D"]):
+            async with residency.use((ref["D"],)):
                 assert dit.held == {ref["A"].key, ref["D"].key}
         assert dit.log == [("add", "A"), ("add", "B"), ("remove", "B"), ("add", "C"), ("remove", "C"), ("add", "D")]
 
@@ -327,7 +328,7 @@ def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
         release = asyncio.Event()
 
         async def hold(name):
-            async with residency.use(ref[name]):
+            async with residency.use((ref[name],)):
                 await release.wait()
 
         holders = [asyncio.ensure_future(hold(name)) for name in "AB"]
@@ -341,7 +342,7 @@ def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
 
         # A file that fails to load fails its request as an engine error and leaves no slot taken.
         with pytest.raises(EngineError, match="could not be loaded"):
-            async with residency.use(LoraRef("X", "broken")):
+            async with residency.use((LoraRef("X", "broken"),)):
                 pass
         assert ("X", "broken") not in residency.resident and dit.held == set(residency.resident)
 

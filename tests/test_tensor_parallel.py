@@ -58,21 +58,21 @@ def forward_inputs(config: dict) -> dict:
     }
 
 
-def loras(adapters: dict[str, str]) -> list[LoraRef | None]:
-    """Each row's adapter: A at 0.8, none, B at 1.2."""
-    return [LoraRef("A", adapters["A"], 0.8), None, LoraRef("B", adapters["B"], 1.2)]
+def loras(adapters: dict[str, str]) -> list[tuple[LoraRef, ...]]:
+    """Each row's adapters: A at 0.8, none, and a stack of B at 1.2 with A at 0.5."""
+    a, b = adapters["A"], adapters["B"]
+    return [(LoraRef("A", a, 0.8),), (), (LoraRef("B", b, 1.2), LoraRef("A", a, 0.5))]
 
 
-def sharded_forward(mesh: Mesh, checkpoint: str, rows: list[LoraRef | None], inputs: dict) -> dict:
+def sharded_forward(mesh: Mesh, checkpoint: str, rows: list[tuple[LoraRef, ...]], inputs: dict) -> dict:
     """On one rank: the checkpoint's transformer sharded over ``mesh.tensor``, in a runner with the rows' adapters
     resident, through one forward of ``inputs``."""
     transformer = QwenImageTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer")
     shard_transformer(transformer, mesh)
     parameters = sum(p.numel() for p in transformer.parameters())
     runner = DenoiseRunner(transformer, scheduler_config={})
-    for ref in rows:
-        if ref is not None:
-            runner.add_lora(ref.key, read_lora(ref.path, runner.lora_shapes))  # checked at the whole shapes
+    for ref in {ref for stack in rows for ref in stack}:
+        runner.add_lora(ref.key, read_lora(ref.path, runner.lora_shapes))  # checked at the whole shapes
     sent = mesh.sent["all_reduce"]
     with torch.inference_mode():
         out, _ = cached_forward(runner.transformer, **inputs, caches=[None] * len(rows), steps=[(0, 1)] * len(rows),
@@ -128,7 +128,7 @@ def test_adapters_change_the_rows_that_carry_them(tiny_dir, tmp_path):
     inputs = forward_inputs(QwenImageTransformer2DModel.load_config(tiny_dir, subfolder="transformer"))
     rows = loras(adapters_for(tiny_dir, tmp_path))
     adapted = sharded_forward(Mesh.single(), str(tiny_dir), rows, inputs)["out"]
-    base = sharded_forward(Mesh.single(), str(tiny_dir), [None] * len(rows), inputs)["out"]
+    base = sharded_forward(Mesh.single(), str(tiny_dir), [()] * len(rows), inputs)["out"]
     change = (adapted - base).abs().amax(dim=(1, 2)).tolist()
     assert change[0] > 100 * TOLERANCE and change[1] == 0 and change[2] > 100 * TOLERANCE
 

@@ -11,6 +11,7 @@ asked on every request that names an adapter the preset does not have: in the ap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -189,18 +190,21 @@ class Adapters:
         self.started = started  # `created` of the base model and the preset's adapters
 
     async def for_request(self, body: dict | ImageGenerationRequest) -> dict[str, LoraEntry]:
-        """The adapter the request's ``model`` names (name -> its file and recipe), when it names one that exists;
-        else every adapter, for the 404 to list."""
+        """The adapters the request names, ``model``'s or each of ``loras``' (name -> its file and recipe), when all
+        exist; else every adapter, for the refusal to list."""
         if not isinstance(body, (dict, ImageGenerationRequest)):
             return {}  # not a JSON object: planning refuses it
-        name = body.model if isinstance(body, ImageGenerationRequest) else body.get("model")
-        if not isinstance(name, str) or name == self.config.name:
-            return {}
-        if name in self.config.loras:
-            return {name: self.config.loras[name]}
-        if (adapter := await self.store.get(name)) is not None:
-            return {name: adapter.entry}
-        return {**self.config.loras, **{name: a.entry for name, a in (await self.store.all()).items()}}
+        named = {}
+        for name in _adapter_names(body):
+            if name == self.config.name:
+                continue
+            if name in self.config.loras:
+                named[name] = self.config.loras[name]
+            elif (adapter := await self.store.get(name)) is not None:
+                named[name] = adapter.entry
+            else:
+                return {**self.config.loras, **{name: a.entry for name, a in (await self.store.all()).items()}}
+        return named
 
     async def model_list(self) -> dict:
         """OpenAI's model list: the base model, then each LoRA adapter (``parent``: the base it adapts, as vLLM
@@ -257,3 +261,17 @@ class Adapters:
         if not self.config.lora.allow_runtime_updates:
             raise ForbiddenError("loading and unloading adapters at run time is off on this server (the preset's "
                                  "lora.allow_runtime_updates)", param=None)
+
+
+def _adapter_names(body: dict | ImageGenerationRequest) -> list[str]:
+    """The adapter names a request gives: its ``model`` and the names in its ``loras`` (JSON text in a multipart
+    form). What is not a name is left to the schema to refuse."""
+    if isinstance(body, ImageGenerationRequest):
+        return [name for name in (body.model, *(spec.name for spec in body.loras or ())) if name is not None]
+    loras = body.get("loras")
+    if isinstance(loras, str):
+        with contextlib.suppress(ValueError):
+            loras = json.loads(loras)
+    specs = loras if isinstance(loras, list) else []
+    names = [body.get("model"), *(spec.get("name") for spec in specs if isinstance(spec, dict))]
+    return [name for name in names if isinstance(name, str)]

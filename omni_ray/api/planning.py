@@ -46,10 +46,10 @@ class GenerationPlan:
     seed: int  # image i uses seed + i
     true_cfg: bool = False  # runs the unconditional pass too (diffusers' rule), decided here once for every stage
     cache: CacheSettings | None = None  # the request's, or the preset's default
-    lora: LoraRef | None = None  # the LoRA adapter `model` names, at the request's scale
+    loras: tuple[LoraRef, ...] = ()  # the LoRA adapters `loras` names (or `model`'s one), each at its scale
     true_cfg_scale: float | None = None  # the request's, or its adapter's recipe's when the request does not set it;
     # None takes the request's
-    scheduler: tuple[tuple[str, object], ...] = ()  # the adapter's recipe's scheduler settings, over the checkpoint's
+    scheduler: tuple[tuple[str, object], ...] = ()  # the adapters' recipe's scheduler settings, over the checkpoint's
     quality: str = "high"  # OpenAI's quality level the steps are nearest to: what responses name as used
     inputs: InputImages | None = None  # edits: the input images, for the VAE and for the encoder
     inpaint: Inpaint | None = None  # a masked edit: the mask (inputs.mask) and the strength
@@ -79,7 +79,7 @@ class GenerationPlan:
         request = self.request
         params = DenoiseParams(
             self.height, self.width, self.num_inference_steps, self.seed + index, self.true_cfg_scale, self.cache,
-            self.lora, true_cfg=self.true_cfg, priority=request.priority, tenant=self.tenant,
+            self.loras, true_cfg=self.true_cfg, priority=request.priority, tenant=self.tenant,
             scheduler=self.scheduler, inpaint=self.inpaint, sigmas=self.sigmas, controls=self.controls,
             layers=self.layers, cfg_normalize=self.cfg_normalize,
         )
@@ -132,9 +132,9 @@ def plan_request(
     An edit brings its input images (``api.images.load_inputs``'); the last one's working size is the default output
     size, as diffusers has it. ``count_tokens`` gives a prompt's templated length, checked against the encoder's
     limit and counted in the response's ``usage``. ``adapters`` (name -> file and sampling recipe) are the LoRA
-    adapters ``model`` may name; a request naming one with a recipe gets the recipe's steps, true CFG scale and
-    scheduler settings for the fields it does not set. ``has_image`` says the request brought an image that was not
-    decoded (the preset takes none). ``control_images`` are the request's control images, decoded
+    adapters ``model`` or ``loras`` may name; a request naming one with a recipe gets the recipe's steps, true CFG
+    scale and scheduler settings for the fields it does not set. ``has_image`` says the request brought an image that
+    was not decoded (the preset takes none). ``control_images`` are the request's control images, decoded
     (``api.images.load_control_images``: the coordinator decodes them on a thread, from a multipart body's files or
     the JSON body); without them, a JSON body's are decoded here. ``control_masks`` are their masks, decoded
     likewise (``api.images.load_control_masks``: None for a control whose ControlNet does not inpaint).
@@ -151,9 +151,9 @@ def plan_request(
     if layered and inputs is not None:  # the encoder reads the prompt alone; the VAE the image as RGBA
         inputs = dataclasses.replace(inputs, vae=tuple(map(with_alpha, inputs.vae)), encoder=())
     controls = check_controls(request, config)
-    # 2. The model: the base, or a LoRA adapter and its sampling recipe.
-    lora = resolve_model(request, config, adapters or {})
-    recipe = adapters[lora.name].recipe if lora is not None else None
+    # 2. The model: the base, or LoRA adapters and the sampling recipe of one of them.
+    loras = resolve_loras(request, config, adapters or {})
+    recipe = next((adapters[lora.name].recipe for lora in loras if adapters[lora.name].recipe is not None), None)
     true_cfg_scale = request.true_cfg_scale
     if recipe is not None and recipe.true_cfg_scale is not None and "true_cfg_scale" not in request.model_fields_set:
         true_cfg_scale = recipe.true_cfg_scale
@@ -195,7 +195,7 @@ def plan_request(
         seed=request.seed if request.seed is not None else random.randint(0, MAX_SEED - request.n + 1),
         true_cfg=true_cfg,
         cache=request.cache if "cache" in request.model_fields_set else config.dit.cache,
-        lora=lora,
+        loras=loras,
         true_cfg_scale=true_cfg_scale,
         scheduler=tuple(sorted(recipe.scheduler.items())) if recipe is not None else (),
         quality=request.quality if request.quality != "auto" and request.num_inference_steps is None
@@ -439,19 +439,52 @@ def quality_level(steps: int, config: PipelineConfig) -> str:
     return min(("high", "medium", "low"), key=lambda level: abs(getattr(levels, level) - steps))
 
 
+def resolve_loras(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, LoraEntry]
+                  ) -> tuple[LoraRef, ...]:
+    """The LoRA adapters the request stacks (``loras``), or the one ``model`` names (none for the base model);
+    NotFoundError (404, ``model_not_found``) for a ``model`` that is neither, as OpenAI answers, and RequestError naming
+    ``loras`` or ``loras[k].name`` for a stack this preset cannot run."""
+    if request.loras is None:
+        return resolve_model(request, config, adapters)
+    if request.model not in (None, config.name):
+        raise RequestError(f"loras: with a stack, `model` names the base model {config.name!r} (or is left out); put "
+                           f"{request.model!r} in `loras`", param="loras")
+    if "lora_scale" in request.model_fields_set:
+        raise RequestError("lora_scale: with `loras`, each adapter has its own scale (loras[k].scale)",
+                           param="lora_scale")
+    most = min(config.lora.max_per_request, config.dit.max_loras)
+    if len(request.loras) > most:
+        why = "lora.max_per_request" if most == config.lora.max_per_request else "the DiT's max_loras slots"
+        raise RequestError(f"loras: {len(request.loras)} adapters; this server stacks at most {most} ({why})",
+                           param="loras")
+    for k, spec in enumerate(request.loras):
+        if spec.name not in adapters:
+            known = ", ".join(sorted(adapters)) or "none"
+            raise RequestError(f"loras[{k}].name: {spec.name!r} is not an adapter here; the adapters are {known}",
+                               param=f"loras[{k}].name")
+        if spec.name in (other.name for other in request.loras[:k]):
+            raise RequestError(f"loras[{k}].name: {spec.name!r} is named twice; give it one scale",
+                               param=f"loras[{k}].name")
+    recipes = [spec.name for spec in request.loras if adapters[spec.name].recipe is not None]
+    if len(recipes) > 1:
+        raise RequestError(f"loras: {recipes[0]!r} and {recipes[1]!r} both have a sampling recipe; a stack may hold "
+                           "one", param="loras")
+    return tuple(LoraRef(spec.name, adapters[spec.name].path, spec.scale) for spec in request.loras)
+
+
 def resolve_model(request: ImageGenerationRequest, config: PipelineConfig, adapters: Mapping[str, LoraEntry]
-                  ) -> LoraRef | None:
-    """The LoRA adapter ``model`` names (None for the base model); NotFoundError (404, ``model_not_found``) for a name
-    that is neither, as OpenAI answers."""
+                  ) -> tuple[LoraRef, ...]:
+    """The LoRA adapter ``model`` names, a stack of one (none for the base model); NotFoundError (404,
+    ``model_not_found``) for a name that is neither, as OpenAI answers."""
     if request.model in (None, config.name):
         if "lora_scale" in request.model_fields_set:
             raise RequestError(f"lora_scale: {config.name!r} is the base model; set `model` to an adapter",
                                param="lora_scale")
-        return None
+        return ()
     if request.model not in adapters:
         known = ", ".join([config.name, *sorted(adapters)])
         raise NotFoundError(f"model: {request.model!r} does not exist here; the models are {known}", param="model")
-    return LoraRef(request.model, adapters[request.model].path, request.lora_scale)
+    return (LoraRef(request.model, adapters[request.model].path, request.lora_scale),)
 
 
 def check_mask(request: ImageGenerationRequest, inputs: InputImages | None, height: int, width: int

@@ -50,6 +50,16 @@ class ControlSpec(BaseModel):
         return self
 
 
+class LoraSpec(BaseModel):
+    """One LoRA adapter of a request's stack (``loras``): one the server knows (``GET /v1/models``), at its scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(..., description="An adapter's name, as `GET /v1/models` lists it.")
+    scale: Number = Field(1.0, ge=0.0, le=10.0, description="Its weight (diffusers' adapter weight, "
+                          "`set_adapters`' adapter_weights).")
+
+
 class ImageGenerationRequest(BaseModel):
     """OpenAI's image generation body, plus Qwen-Image's own knobs (negative prompt, steps, true CFG, seed)."""
 
@@ -63,6 +73,12 @@ class ImageGenerationRequest(BaseModel):
     )
     lora_scale: Number = Field(1.0, ge=0.0, le=10.0, description="Strength of the `model` adapter (diffusers' "
                               "adapter weight); only with an adapter.")
+    loras: list[LoraSpec] | None = Field(
+        None, description="omni-ray's: a stack of LoRA adapters, each {name, scale}, their updates added together "
+        "(diffusers' set_adapters with adapter_weights); at most the preset's lora.max_per_request, each named once, "
+        "at most one with a sampling recipe (whose steps, true CFG scale and scheduler then apply). `model` then "
+        "names the base model or is omitted. A multipart body sends this list as JSON text."
+    )
     n: int = Field(1, ge=1, le=10, description="Images to draw; image i uses seed + i.")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; the preset's default when omitted.")
     response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 images are served.")
@@ -143,17 +159,18 @@ class ImageGenerationRequest(BaseModel):
         "prompt is empty (diffusers' use_en_prompt): en when omitted (diffusers' default is zh)."
     )
 
-    @field_validator("cache", "control", mode="before")
+    @field_validator("cache", "control", "loras", mode="before")
     @classmethod
     def _form_field_is_json(cls, value, info):
-        """A multipart form carries ``cache`` and ``control`` as JSON text."""
+        """A multipart form carries ``cache``, ``control`` and ``loras`` as JSON text."""
         if not isinstance(value, str):
             return value
         try:
             return json.loads(value)
         except json.JSONDecodeError:
-            example = '{"kind": "first_block", "threshold": 0.1}' if info.field_name == "cache" else \
-                '[{"name": "canny", "scale": 0.8}]'
+            example = {"cache": '{"kind": "first_block", "threshold": 0.1}', "control": '[{"name": "canny", "scale": '
+                       '0.8}]', "loras": '[{"name": "lightning", "scale": 1.0}, {"name": "style", "scale": 0.6}]'}[
+                info.field_name]
             kind = "a JSON object" if info.field_name == "cache" else "a JSON list"
             raise ValueError(f"expected {kind} such as {example}, or null") from None
 

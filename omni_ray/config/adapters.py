@@ -64,7 +64,7 @@ def lora_entry(value: Any) -> Any:
 
 class LoraSettings(Frozen):
     """Adapters loaded at run time (POST /v1/load_lora_adapter): off unless the operator allows them, and then only
-    from files under the given folders."""
+    from files under the given folders; how many one request may stack."""
 
     allow_runtime_updates: bool = Field(
         False, description="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter; off, both answer 403.",
@@ -73,6 +73,10 @@ class LoraSettings(Frozen):
         (), description="Folders (on the DiT's nodes) whose files run-time adapters may come from: a `lora_path` "
         "that resolves (symlinks and '..' followed, before anything is read) outside all of them is refused. A "
         "relative `lora_path` is taken under the first.",
+    )
+    max_per_request: int = Field(
+        3, ge=1, le=16, description="Adapters one request may stack (`loras`), each at its own scale; a stack also "
+        "needs as many of the DiT's `max_loras` slots.",
     )
 
     @model_validator(mode="after")

@@ -2,7 +2,8 @@
 
 At most ``max_loras`` are resident. When a request needs one more, the least recently used adapter that no running
 request uses leaves first; while every resident adapter is in use, the request waits for one to be released (as
-vLLM's LRU cache of LoRA slots does, a running request's adapter never leaves). Files are read on a worker thread;
+vLLM's LRU cache of LoRA slots does, a running request's adapter never leaves). A request stacking adapters takes
+them all at once or waits holding none. Files are read on a worker thread;
 the weights reach the runner between two steps (``AsyncEngine.call``).
 """
 
@@ -12,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from omni_ray.config import LoraEntry, PipelineConfig
@@ -59,41 +60,57 @@ class LoraResidency:
         return self._shapes
 
     @contextlib.asynccontextmanager
-    async def use(self, lora: LoraRef | None) -> AsyncIterator[None]:
-        """Holds ``lora`` resident (loading it if needed) while the context lasts; a no-op for no adapter."""
-        if lora is None:
+    async def use(self, loras: Sequence[LoraRef]) -> AsyncIterator[None]:
+        """Holds ``loras`` (a request's adapters: none, one or a stack) resident while the context lasts, loading
+        those that are not. A stack is taken whole or not at all: while its adapters cannot all be resident (the
+        slots they would need serve running requests), it holds none and waits, so two waiting stacks never hold
+        slots the other needs."""
+        if not loras:
             yield
             return
-        entry = await self._acquire(lora)
+        entries = await self._acquire(loras)
         try:
             yield
         finally:
-            entry.users -= 1
-            if entry.users == 0:
+            for entry in entries:
+                entry.users -= 1
+            if any(entry.users == 0 for entry in entries):
                 self._wake()
 
-    async def _acquire(self, lora: LoraRef) -> _Resident:
+    async def _acquire(self, loras: Sequence[LoraRef]) -> list[_Resident]:
+        keys = [lora.key for lora in loras]
         while True:
-            entry = self.resident.get(lora.key)
-            if entry is not None:
-                if not entry.loading.done():  # shielded: a caller that goes away does not stop the load
-                    await asyncio.shield(entry.loading)
-                entry.loading.result()  # raises what loading raised
-                entry.users += 1
-                self.resident.move_to_end(lora.key)
-                return entry
-            if len(self.resident) >= self.max_loras:
-                idle = next((key for key, e in self.resident.items() if e.users == 0 and e.loading.done()), None)
-                if idle is None:  # every slot serves a running request: wait for one to finish
-                    waiter = asyncio.get_running_loop().create_future()
-                    self._released.append(waiter)
-                    await waiter
-                    continue
-                del self.resident[idle]
-                logger.info("LoRA adapter %r leaves (least recently used)", idle[0])
-                await self.engine.call(lambda core, key=idle: core.remove_lora(key))
+            if all(key in self.resident for key in keys):
+                entries = [self.resident[key] for key in keys]
+                for key, entry in zip(keys, entries):  # taken before any wait: no other request can evict them now
+                    entry.users += 1
+                    self.resident.move_to_end(key)
+                try:
+                    for entry in entries:
+                        if not entry.loading.done():  # shielded: a caller that goes away does not stop the load
+                            await asyncio.shield(entry.loading)
+                        entry.loading.result()  # raises what loading raised
+                except BaseException:
+                    for entry in entries:
+                        entry.users -= 1
+                    self._wake()
+                    raise
+                return entries
+            missing = [lora for lora in loras if lora.key not in self.resident]
+            if len(self.resident) + len(missing) <= self.max_loras:
+                for lora in missing:
+                    self.resident[lora.key] = _Resident(asyncio.ensure_future(self._load(lora)))
                 continue
-            self.resident[lora.key] = _Resident(asyncio.ensure_future(self._load(lora)))
+            idle = next((key for key, e in self.resident.items()
+                         if e.users == 0 and e.loading.done() and key not in keys), None)
+            if idle is None:  # the slots it needs serve running requests (or are loading): wait for one to finish
+                waiter = asyncio.get_running_loop().create_future()
+                self._released.append(waiter)
+                await waiter
+                continue
+            del self.resident[idle]
+            logger.info("LoRA adapter %r leaves (least recently used)", idle[0])
+            await self.engine.call(lambda core, key=idle: core.remove_lora(key))
 
     async def _load(self, lora: LoraRef) -> None:
         try:

@@ -332,7 +332,7 @@ class DenoiseRunner(SteppingRunner):
         return self._forward(
             latents, timesteps, [s.negative if branch else s.prompt for s, branch in passes],
             [s.img_shapes for s in states], [s.caches[branch] if s.caches else None for s, branch in passes],
-            [(s.step_index, s.num_steps) for s in states], [s.params.lora for s in states], sequence,
+            [(s.step_index, s.num_steps) for s in states], [s.params.loras for s in states], sequence,
             self._control(states),
         )
 
@@ -400,7 +400,7 @@ class DenoiseRunner(SteppingRunner):
         img_shapes: list[list[tuple[int, int, int]]],
         caches: list[BranchCache | None],
         steps: list[tuple[int, int]],  # rows x (step index, steps in all)
-        loras: list[LoraRef | None],  # rows x the row's adapter
+        loras: list[tuple[LoraRef, ...]],  # rows x the row's adapters (a stack, or none)
         sequence: Mesh | None = None,  # a gang whose sequence ranks split the rows' tokens
         control: ControlRows | None = None,  # the rows' ControlNet residuals (``_control``)
     ) -> tuple[torch.Tensor, list[BranchCache | None]]:

@@ -6,9 +6,10 @@ patterns) in the file's metadata; the other spellings ``QwenImagePipeline.lora_s
 ``lora_unet_``, ``diffusion_model.``, peft's ``.default``, ``.alpha`` keys) it converts, and so do we, by calling it.
 
 The base weights never change. Each adapted ``nn.Linear`` becomes a ``LoraLinear`` that adds, per row of the batch,
-that row's own update ``scale * (alpha / r) * B(A(x))`` (peft's arithmetic, in the same order), gathered from the
-adapters resident on the device and computed as two batched matmuls over the rows that have one. Rows without an
-adapter add nothing, so a batch without adapters runs the base model alone. On a tensor-parallel transformer
+the updates ``scale * (alpha / r) * B(A(x))`` of that row's adapters (peft's arithmetic; a stack's updates summed, as
+diffusers' ``set_adapters`` with adapter weights), gathered from the adapters resident on the device and computed as
+two batched matmuls over every (row, adapter) pair, whatever adapters and ranks the rows mix. Rows without an adapter
+add nothing, so a batch without adapters runs the base model alone. On a tensor-parallel transformer
 (``parallel.tensor``) an adapter is read and checked whole, and each rank keeps its slice of it, as of the Linear it
 adapts.
 """
@@ -146,15 +147,15 @@ def _pattern_value(patterns: dict | str, module: str, default: float) -> float:
 
 @dataclass(slots=True)
 class LoraRows:
-    """Which resident adapter each row of a forward pass uses (its slot, -1 for none) and at which scale. Layers
-    adapted by the same adapters pick the same rows, so each pick is made once per pass and kept."""
+    """Which resident adapters each row of a forward pass uses (their slots: none, one, or a stack) and at which
+    scales. Layers adapted by the same adapters pick the same rows, so each pick is made once per pass and kept."""
 
     table: LoraTable
-    slot_list: tuple[int, ...]
-    scale_list: tuple[float, ...]
+    slot_list: tuple[tuple[int, ...], ...]  # per row, its adapters' slots
+    scale_list: tuple[tuple[float, ...], ...]  # per row, their scales
     device: torch.device
     dtype: torch.dtype
-    _picks: dict = field(default_factory=dict)  # slots a layer has -> (row index, slots, scales) or None
+    _picks: dict = field(default_factory=dict)  # slots a layer has -> ``pick``'s tensors, or None
     _repeats: dict = field(default_factory=dict)  # k -> these rows k times over
 
     def take(self, rows: list[int]) -> LoraRows:
@@ -176,15 +177,19 @@ class LoraRows:
             self._repeats[k] = LoraRows(self.table, self.slot_list * k, self.scale_list * k, self.device, self.dtype)
         return self._repeats[k]
 
-    def pick(self, filled: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(rows whose adapter is in ``filled``, their slots, their scales) on the device, or None for no row."""
+    def pick(self, filled: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
+        """For each (row, adapter) pair whose adapter is in ``filled``: its row, its slot and its scale, on the device,
+        and whether those rows are every row once, in order; None for no pair."""
         if filled not in self._picks:
-            rows = [r for r, slot in enumerate(self.slot_list) if slot in filled]
+            pairs = [(row, slot, scale) for row, (slots, scales) in enumerate(zip(self.slot_list, self.scale_list))
+                     for slot, scale in zip(slots, scales) if slot in filled]
+            rows = [row for row, _, _ in pairs]
             self._picks[filled] = (
                 torch.tensor(rows, device=self.device),
-                torch.tensor([self.slot_list[r] for r in rows], device=self.device),
-                torch.tensor([self.scale_list[r] for r in rows], device=self.device, dtype=self.dtype),
-            ) if rows else None
+                torch.tensor([slot for _, slot, _ in pairs], device=self.device),
+                torch.tensor([scale for _, _, scale in pairs], device=self.device, dtype=self.dtype),
+                rows == list(range(len(self.slot_list))),
+            ) if pairs else None
         return self._picks[filled]
 
 
@@ -213,18 +218,17 @@ class LoraLinear(nn.Module):
 
     @torch.compiler.disable  # which rows use which slots changes every step: in a compiled block, run it eagerly
     def _update(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's own low-rank update, shaped as the layer's output."""
+        """Each row's own low-rank updates (a stack's summed), shaped as the layer's output."""
         shape = (*x.shape[:-1], self.base.out_features)
         picked = self.table.current.for_batch(x.shape[0]).pick(self.filled)
         if picked is None:
             return x.new_zeros(shape)
-        index, slots, scales = picked
-        every_row = len(index) == x.shape[0]
+        index, slots, scales, every_row = picked  # k (row, adapter) pairs
         xs = (x if every_row else x[index]).reshape(len(index), -1, x.shape[-1])  # [k, tokens, in]
         down = torch.bmm(xs, self.a[slots].transpose(1, 2))  # [k, tokens, rank]
         up = torch.bmm(down, self.b[slots].transpose(1, 2))  # [k, tokens, out]
         up = (up * (self.scaling[slots] * scales).view(-1, 1, 1)).reshape(len(index), *shape[1:])
-        return up if every_row else x.new_zeros(shape).index_copy(0, index, up)
+        return up if every_row else x.new_zeros(shape).index_add(0, index, up)  # a row's pairs add up
 
     def fill(self, slot: int, layer: LoraLayer) -> None:
         """Puts an adapter's factors for the whole Linear (``read_lora``'s) into ``slot``; a tensor-parallel base
@@ -289,15 +293,16 @@ class LoraTable:
             for layer in self.layers.values():
                 layer.clear(slot)
 
-    def rows(self, loras: list[LoraRef | None]) -> LoraRows | None:
-        """The rows of a forward pass whose row i uses ``loras[i]``; None when no row has an adapter."""
-        if all(lora is None for lora in loras):
+    def rows(self, loras: Sequence[Sequence[LoraRef]]) -> LoraRows | None:
+        """The rows of a forward pass whose row i adds the updates of the adapters ``loras[i]`` (none, one or a
+        stack); None when no row has an adapter."""
+        if not any(loras):
             return None
-        missing = [lora.name for lora in loras if lora is not None and lora.key not in self.slot_of]
+        missing = [lora.name for stack in loras for lora in stack if lora.key not in self.slot_of]
         assert not missing, f"adapters not resident: {missing}"
         weight = next(self.transformer.parameters())
-        return LoraRows(self, tuple(self.slot_of[lora.key] if lora is not None else -1 for lora in loras),
-                        tuple(lora.scale if lora is not None else 0.0 for lora in loras), weight.device, weight.dtype)
+        return LoraRows(self, tuple(tuple(self.slot_of[lora.key] for lora in stack) for stack in loras),
+                        tuple(tuple(lora.scale for lora in stack) for stack in loras), weight.device, weight.dtype)
 
     @contextlib.contextmanager
     def applied(self, rows: LoraRows | None) -> Iterator[None]:

@@ -44,13 +44,14 @@ class SteppingRunner:
 
     def remove_lora(self, key: LoraKey) -> None:
         """Frees an adapter's slot; no running request may use it."""
-        assert not any(s.params.lora and s.params.lora.key == key for s in self.states.values()), "adapter in use"
+        assert not any(key in (lora.key for lora in s.params.loras) for s in self.states.values()), "adapter in use"
         self.loras.remove(key)
 
     def check_lora(self, params) -> None:
-        """Raises EngineError unless the request's adapter, if it names one, is resident."""
-        if params.lora is not None and params.lora.key not in self.loras.slot_of:
-            raise EngineError(f"LoRA adapter {params.lora.name!r} is not loaded on this replica")
+        """Raises EngineError unless each of the request's adapters is resident."""
+        for lora in params.loras:
+            if lora.key not in self.loras.slot_of:
+                raise EngineError(f"LoRA adapter {lora.name!r} is not loaded on this replica")
 
     def execute_model(self, batch: DenoiseBatch) -> DenoiseOutput:
         """Runs one engine step: frees left requests, admits new ones, advances the batch by one step."""

@@ -11,7 +11,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
 from omni_ray.api.planning import GenerationPlan
-from omni_ray.records import Finished, StepDone
+from omni_ray.records import Finished, StepDone, stack_id
 from omni_ray.request_path import Failed, RequestEvent
 
 # The request's id and tenant, in the context the request's stage calls run in (its tasks copy it), so that each
@@ -35,7 +35,7 @@ async def request_span(tracer: Tracer, events: AsyncIterator[RequestEvent], plan
     request = plan.request
     span = tracer.start_span("request", kind=SpanKind.SERVER, attributes={
         "omni_ray.route": route(plan), "omni_ray.request_id": request_id, "omni_ray.tenant": plan.tenant,
-        "omni_ray.model": request.model or "", "omni_ray.lora": plan.lora.name if plan.lora is not None else "",
+        "omni_ray.model": request.model or "", "omni_ray.lora": stack_id(plan.loras),
         "omni_ray.n": request.n, "omni_ray.layers": plan.layers,
         "omni_ray.stream": bool(request.stream), "omni_ray.size": f"{plan.width}x{plan.height}",
         "omni_ray.steps": plan.steps_run})

@@ -117,7 +117,7 @@ class Denoise21Runner(SteppingRunner):
         """A pass's first step, whole, under its request's adapter."""
         one = state.passes[branch]
         layout = JointLayout.of(self.transformer, one.image_slots, state.shapes)
-        with self.loras.applied(self.loras.rows([state.params.lora])):
+        with self.loras.applied(self.loras.rows([state.params.loras])):
             return prefill(self.transformer, state.latents, state.condition, one.text[None], state.timestep, layout)
 
     def _decode(self, passes: list[tuple[Denoise21State, int]]) -> torch.Tensor:
@@ -126,7 +126,7 @@ class Denoise21Runner(SteppingRunner):
         latents = torch.cat([state.latents for state in states])
         timesteps = torch.cat([state.timestep for state in states])
         caches = [state.passes[branch].cache for state, branch in passes]
-        with self.loras.applied(self.loras.rows([state.params.lora for state in states])):
+        with self.loras.applied(self.loras.rows([state.params.loras for state in states])):
             return decode(self.transformer, latents, timesteps, caches)
 
     def finish(self, state: Denoise21State) -> Latents:
