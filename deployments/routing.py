@@ -4,8 +4,8 @@ Each DiT replica reports its work in cost-seconds (``DiT.record_routing_stats``:
 its measured step times) every ``ROUTING_STATS_PERIOD_S``; between two reports the router adds, for every
 ``denoise`` call it sent a replica, that replica's mean request cost, so that a burst does not all go to the replica
 that looked idle at the last report. A request naming a LoRA adapter prefers the replicas that hold it (Serve's
-model multiplexing), least work first within each preference. Ties go to the replica with the shortest queue that
-Serve's own probes saw.
+model multiplexing), one stacking adapters those that hold more of them, least work first within each preference.
+Ties go to the replica with the shortest queue that Serve's own probes saw.
 
 A request the coordinator admitted was promised by one replica: the one its ``estimate`` call was routed to (by the
 same order), which reserved its work (``DiTLoad.admit``). Its ``denoise`` calls (``{request id}-{index}``) go to that
@@ -17,6 +17,7 @@ One router lives in each process that holds a handle to the DiT (each coordinato
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -44,10 +45,27 @@ class LeastWorkRouter(FIFOMixin, MultiplexMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """One rank per replica, least work first (within each multiplexing preference)."""
         model_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
-        ranks = self.rank_replicas_via_multiplex(candidate_replicas, model_id) if model_id else [candidate_replicas]
+        if "," in model_id:  # a stack of adapters (``records.stack_id``)
+            ranks = self._rank_for_stack(candidate_replicas, frozenset(model_id.split(",")))
+        elif model_id:
+            ranks = self.rank_replicas_via_multiplex(candidate_replicas, model_id)
+        else:
+            ranks = [candidate_replicas]
         ordered = [[replica] for rank in ranks for replica in sorted(rank, key=self._work)]
         promised = self._promised_replica(pending_request)
         return sorted(ordered, key=lambda rank: rank[0].replica_id != promised) if promised is not None else ordered
+
+    def _rank_for_stack(self, replicas: list[RunningReplica], names: frozenset[str]) -> list[list[RunningReplica]]:
+        """Serve's multiplex ranking stretched to a stack: the replicas holding more of its adapters first; of those
+        holding none, the ones holding the fewest adapters (with free slots, likely) before the others."""
+        fewest = self._get_replica_ids_with_fewest_multiplexed_models()
+
+        def rank(replica: RunningReplica) -> tuple[int, bool]:
+            held = len(names & replica.multiplexed_model_ids)
+            return -held, held == 0 and replica.replica_id not in fewest
+
+        ordered = sorted(replicas, key=rank)
+        return [list(group) for _, group in itertools.groupby(ordered, key=rank)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         method = pending_request.metadata.call_method

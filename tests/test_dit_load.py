@@ -109,6 +109,21 @@ def test_the_router_ranks_replicas_by_work_counting_calls_sent_since_their_last_
     assert router._work(idle) == (1.0, 0)
 
 
+def test_a_stack_goes_first_to_the_replicas_holding_more_of_its_adapters_then_to_the_least_loaded():
+    replicas = [replica("none-busy", 9.0), replica("one", 5.0), replica("both", 8.0), replica("both-idle", 1.0),
+                replica("none-idle", 0.5), replica("other", 0.1)]
+    held = {"none-busy": {"C", "D"}, "one": {"B", "C"}, "both": {"A", "B"}, "both-idle": {"B", "A"},
+            "none-idle": set(), "other": {"C"}}
+    for r in replicas:
+        r.multiplexed_model_ids = held[r.replica_id]
+    router = bare_router(replicas)
+    router._get_replica_ids_with_fewest_multiplexed_models = lambda: {"none-idle"}
+    stack = SimpleNamespace(args=["r1"], kwargs={}, metadata=SimpleNamespace(call_method="estimate",
+                                                                             multiplexed_model_id="A,B"))
+    assert [r.replica_id for [r] in asyncio.run(router.choose_replicas(replicas, stack))] == [
+        "both-idle", "both", "one", "none-idle", "other", "none-busy"]
+
+
 def test_the_autoscaling_policy_asks_for_the_work_over_its_target():
     policy = QueuedWorkPolicy(target_work_s=20)
     context = SimpleNamespace(aggregated_metrics={"queued_work_s": {"a": 35.0, "b": 25.0}}, target_num_replicas=2)
