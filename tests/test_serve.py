@@ -133,6 +133,65 @@ def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served
     assert stage_stats(served)["DiT"]["lora_loads"] == 1
 
 
+def test_a_stack_of_adapters_through_the_official_client_and_the_page_equals_diffusers_set_adapters(served, tiny_dir):
+    """Issue 52: two run-time adapters (ranks 4 and 8, the second on attention alone) stacked at weights 1.0 and 0.6
+    through the openai client's extra_body are diffusers' set_adapters with those weights; on the page, the same two
+    adapters picked from the model list with their weights give the same image, and a weight out of range is said
+    beside it."""
+    import openai
+    from diffusers import QwenImagePipeline
+
+    from testing.browser import browser_page, result_size
+    from testing.lora_files import make_adapter
+
+    root = served["adapters"]
+    paths = {"S1": str(make_adapter(tiny_dir, root / "S1", rank=4, alpha=8, seed=1)),
+             "S2": str(make_adapter(tiny_dir, root / "S2", rank=8, alpha=16, seed=4, targets=(
+                 "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")))}
+    load, unload = served["base"] + "/v1/load_lora_adapter", served["base"] + "/v1/unload_lora_adapter"
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
+    stack = [{"name": "S1", "scale": 1.0}, {"name": "S2", "scale": 0.6}]
+    try:
+        for name, path in paths.items():
+            assert post(load, {"lora_name": name, "lora_path": path})[0] == 200
+        result = client.images.generate(prompt="a red cat", size="64x64", extra_body={
+            "seed": 3, "num_inference_steps": 2, "loras": stack})
+        with pytest.raises(openai.BadRequestError) as info:
+            client.images.generate(prompt="a red cat", size="64x64", extra_body={"loras": [{"name": "S3"}]})
+        assert info.value.param == "loras[0].name"
+        with browser_page() as page:
+            page.goto(served["base"] + "/")
+            for k, (name, weight) in enumerate((("S1", "1"), ("S2", "0.6"))):
+                page.click("#add-adapter")  # the row comes once the model list is read
+                page.wait_for_selector(f"#lora-{k}-name option[value='{name}']", state="attached")
+                page.select_option(f"#lora-{k}-name", name)
+                page.fill(f"#lora-{k}-scale", weight)
+            page.fill("#size", "64x64")
+            page.fill("#num_inference_steps", "2")
+            page.fill("#seed", "3")
+            page.fill("#prompt", "a red cat")
+            page.click("#generate")
+            assert result_size(page) == (64, 64)
+            on_page = page.get_attribute(".card img.result", "src").split(",", 1)[1]
+            page.fill("#lora-1-scale", "11")
+            page.click("#generate")
+            page.wait_for_selector('[data-error-for="loras[1].scale"]:not(:empty), [data-field="loras[1].scale"] '
+                                   '.error:not(:empty)')
+            assert "less than or equal to 10" in page.text_content('[data-field="loras[1].scale"] .error')
+    finally:
+        for name in paths:
+            post(unload, {"lora_name": name})
+    reference = QwenImagePipeline.from_pretrained(tiny_dir)
+    for name, path in paths.items():
+        reference.load_lora_weights(path, adapter_name=name)
+    reference.set_adapters(["S1", "S2"], adapter_weights=[1.0, 0.6])
+    image = reference("a red cat", height=64, width=64, num_inference_steps=2, output_type="np",
+                      generator=torch.Generator("cpu").manual_seed(3)).images[0]
+    expected = (image * 255).round().astype(np.uint8)
+    assert within_one_level(png(result.data[0].b64_json), expected)
+    assert within_one_level(png(on_page), expected)
+
+
 def test_http_images_match_diffusers_with_seed_per_image(served, reference):
     body = {"prompt": "a lighthouse at sunset", "n": 2, "size": "96x64", "seed": 7, "num_inference_steps": 3,
             "negative_prompt": "blurry", "true_cfg_scale": 4.0, "response_format": "b64_json"}

@@ -15,8 +15,9 @@ WEB_FILES = {name: (kind, (WEB / name).read_bytes())
 
 def page_html(config: PipelineConfig, api_key: bool = False) -> str:
     """index.html with what the page needs of the preset: its name, family and mode, input images an edit takes,
-    ControlNets and how many a request may apply, a Layered preset's resolution buckets and layer bounds, default
-    size and steps, sizes to offer, and whether the server takes an API key (the page then asks for it)."""
+    ControlNets and how many a request may apply, how many LoRA adapters a request may stack, a Layered preset's
+    resolution buckets and layer bounds, default size and steps, sizes to offer, and whether the server takes an API
+    key (the page then asks for it)."""
     limits = config.requests
     default = f"{limits.default_width}x{limits.default_height}"
     squares = [f"{side}x{side}" for side in (64, 128, 256, 512, 1024, 1328)
@@ -29,6 +30,9 @@ def page_html(config: PipelineConfig, api_key: bool = False) -> str:
                 "max_images": config.edit.max_images if config.edit is not None else 0,
                 "controlnets": controlnets, "max_controls": limits.max_controls if controlnets else 0,
                 "default_steps": limits.default_steps, "sizes": list(dict.fromkeys([default, *squares])),
-                "api_key": api_key, "family": config.family, **family_of(config).page_settings(config)}
+                "api_key": api_key, "family": config.family, **family_of(config).page_settings(config),
+                # adapters a request may stack: none when the preset has none and takes none at run time
+                "max_loras": min(config.lora.max_per_request, config.dit.max_loras)
+                if config.loras or config.lora.allow_runtime_updates else 0}
     # "</" cannot end the script element early: JSON allows "<\/" for "</".
     return (WEB / "index.html").read_text().replace("__SETTINGS__", json.dumps(settings).replace("</", "<\\/"))

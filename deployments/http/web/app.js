@@ -102,6 +102,70 @@ function numberControls() {
   addControl.textContent = controlList.children.length ? "Add another ControlNet" : "Add a ControlNet";
 }
 
+// LoRA adapters (a preset with some, or run-time ones allowed): a stack of up to max_loras, each with its weight,
+// picked from the server's model list (GET /v1/models: the base model, then the adapters).
+const adapterList = document.getElementById("adapters");
+const addAdapter = document.getElementById("add-adapter");
+document.body.classList.toggle("adapted", settings.max_loras > 0);
+addAdapter.addEventListener("click", newAdapter);
+
+async function newAdapter() {
+  clearErrors();
+  const response = await fetch("/v1/models", { headers: keyHeaders() });
+  const listed = await response.json().catch(() => null);
+  if (!response.ok) {
+    showError(response.status === 401 ? "api_key" : "loras", listed?.error?.message ?? `HTTP ${response.status}`);
+    return;
+  }
+  const names = listed.data.filter((model) => model.parent !== undefined).map((model) => model.id);
+  if (!names.length) {
+    showError("loras", "this server has no adapters yet");
+    return;
+  }
+  const adapter = document.getElementById("adapter-template").content.firstElementChild.cloneNode(true);
+  const taken = Array.from(adapterList.querySelectorAll("select"), (select) => select.value);
+  for (const name of names) adapter.querySelector("select").append(new Option(name, name));
+  adapter.querySelector("select").value = names.find((name) => !taken.includes(name)) ?? names[0];
+  adapter.querySelector(".remove").addEventListener("click", () => {
+    adapter.remove();
+    numberAdapters();
+  });
+  adapterList.append(adapter);
+  numberAdapters();
+}
+
+function numberAdapters() {
+  // Named as the server names them in an error (loras[k].scale), so a message shows beside its adapter.
+  adapterList.querySelectorAll(".adapter").forEach((adapter, k) => {
+    for (const part of adapter.querySelectorAll("[data-part]")) {
+      const id = `lora-${k}-${part.dataset.part}`;
+      part.dataset.field = `loras[${k}].${part.dataset.part}`;
+      part.querySelector("input, select").id = id;
+      part.querySelector("label").htmlFor = id;
+    }
+  });
+  addAdapter.disabled = adapterList.children.length >= settings.max_loras;
+  addAdapter.textContent = adapterList.children.length ? "Stack another adapter" : "Add an adapter";
+}
+
+function adapterFields(body) {
+  // The stack as the API takes it: each adapter's name and weight, in order (the server checks them).
+  const loras = Array.from(adapterList.querySelectorAll(".adapter"), (adapter) => {
+    const scale = adapter.querySelector('[data-part="scale"] input').value.trim();
+    const parsed = parseFloat(scale);
+    const weight = scale === "" ? 1 : Number.isNaN(parsed) ? scale : parsed;  // the server names what is wrong
+    return { name: adapter.querySelector("select").value, scale: weight };
+  });
+  if (loras.length) body.loras = loras;
+}
+
+function keyHeaders() {
+  const key = keyInput.value.trim();
+  if (!settings.api_key) return {};
+  sessionStorage.setItem(KEY_STORAGE, key);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 async function imageSize(file) {
   const bitmap = await createImageBitmap(file);
   const size = [bitmap.width, bitmap.height];
@@ -122,6 +186,7 @@ form.addEventListener("submit", async (event) => {
   button.disabled = true;
   try {
     const body = fields();
+    adapterFields(body);
     if (layered && !layeredFields(body)) return;
     const controls = await controlFields(body.size ?? settings.default_size);
     if (controls) await generate(body, controls);
@@ -192,21 +257,18 @@ async function controlFields(size) {
 
 async function generate(body, { controls, files } = { controls: [], files: [] }) {
   let response;
-  const headers = {};
-  const key = keyInput.value.trim();
-  if (settings.api_key) {
-    sessionStorage.setItem(KEY_STORAGE, key);
-    if (key) headers.Authorization = `Bearer ${key}`;
-  }
+  const headers = keyHeaders();
+  // A form field is text: the adapters' stack goes as JSON text, as the API takes it in a multipart body.
+  const formValue = (value) => typeof value === "object" ? JSON.stringify(value) : String(value);
   if (settings.edit) {
     const data = new FormData();
     const field = imageInput.files.length > 1 ? "image[]" : "image";  // as OpenAI's client sends a list
     for (const file of imageInput.files) data.append(field, file);
-    for (const [name, value] of Object.entries(body)) data.append(name, String(value));
+    for (const [name, value] of Object.entries(body)) data.append(name, formValue(value));
     response = await fetch("/v1/images/edits", { method: "POST", headers, body: data });
   } else if (controls.length) {
     const data = new FormData();
-    for (const [name, value] of Object.entries(body)) data.append(name, String(value));
+    for (const [name, value] of Object.entries(body)) data.append(name, formValue(value));
     data.append("control", JSON.stringify(controls));  // the images are files, in the controls' order
     for (const file of files) data.append("control_image", file);
     response = await fetch("/v1/images/generations", { method: "POST", headers, body: data });
