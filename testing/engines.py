@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 
 def run_to_completion(core, max_steps=50):
     results, batches = {}, []
@@ -12,3 +14,26 @@ def run_to_completion(core, max_steps=50):
         batches.append(sorted({o.request_id for o in outputs}))
         results.update({o.request_id: o.result for o in outputs if o.finish_reason == "stop"})
     return results, batches
+
+
+class AdapterRecordingDiT:
+    """An AsyncEngine's ``call`` over a DiT core that only records which adapters it holds and in what order they
+    came and went: for the tests whose subject is LoRA residency."""
+
+    lora_shapes: dict = {}
+
+    def __init__(self):
+        self.core, self.held, self.log = self, set(), []
+
+    async def call(self, method):
+        await asyncio.sleep(0)
+        return method(self.core)
+
+    def add_lora(self, key, layers):
+        assert key not in self.held
+        self.held.add(key)
+        self.log.append(("add", key[0]))
+
+    def remove_lora(self, key):
+        self.held.remove(key)
+        self.log.append(("remove", key[0]))

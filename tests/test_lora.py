@@ -25,7 +25,7 @@ from omni_ray.pipeline import Pipeline
 from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.lora import read_lora
-from testing.engines import run_to_completion
+from testing.engines import AdapterRecordingDiT, run_to_completion
 from testing.lora_files import make_adapter, to_kohya
 from testing.numerics import assert_reordered
 from testing.reference import PromptEncoder
@@ -277,30 +277,6 @@ def test_each_row_adds_its_own_update():
     assert not torch.allclose(together[0], together[3])
 
 
-class FakeDiT:
-    """An AsyncEngine's ``call`` over a DiT core that only records adapters: residency is the subject here."""
-
-    lora_shapes: dict = {}
-
-    def __init__(self):
-        self.core = self
-        self.held: set = set()
-        self.log: list = []
-
-    async def call(self, method):
-        await asyncio.sleep(0)
-        return method(self.core)
-
-    def add_lora(self, key, layers):
-        assert key not in self.held
-        self.held.add(key)
-        self.log.append(("add", key[0]))
-
-    def remove_lora(self, key):
-        self.held.remove(key)
-        self.log.append(("remove", key[0]))
-
-
 def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
     def reader(path, shapes):
         if path == "broken":
@@ -308,7 +284,7 @@ def test_residency_keeps_at_most_max_loras_and_never_evicts_one_in_use():
         return {}
 
     async def scenario():
-        dit = FakeDiT()
+        dit = AdapterRecordingDiT()
         residency = LoraResidency(dit, max_loras=2, files=SimpleNamespace(read=reader))
         ref = {name: LoraRef(name, name.lower()) for name in "ABCD"}
         async with residency.use((ref["A"],)):

@@ -24,7 +24,7 @@ from omni_ray.pipeline import Pipeline
 from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.lora import LoraLayer, LoraTable, read_lora
-from testing.engines import run_to_completion
+from testing.engines import AdapterRecordingDiT, run_to_completion
 from testing.lora_files import make_adapter
 from testing.numerics import assert_reordered
 from testing.reference import PromptEncoder
@@ -159,31 +159,9 @@ def test_a_stacked_row_adds_each_adapter_s_update_at_its_scale():
     assert torch.equal(together[2], base[2])
 
 
-class FakeDiT:
-    """An AsyncEngine's ``call`` over a DiT core that only records adapters: residency is the subject here."""
-
-    lora_shapes: dict = {}
-
-    def __init__(self):
-        self.core, self.held, self.log = self, set(), []
-
-    async def call(self, method):
-        await asyncio.sleep(0)
-        return method(self.core)
-
-    def add_lora(self, key, layers):
-        assert key not in self.held
-        self.held.add(key)
-        self.log.append(("add", key[0]))
-
-    def remove_lora(self, key):
-        self.held.remove(key)
-        self.log.append(("remove", key[0]))
-
-
 def test_residency_takes_a_stack_whole_and_two_stacks_needing_every_slot_never_wait_on_each_other():
     async def scenario():
-        dit = FakeDiT()
+        dit = AdapterRecordingDiT()
         residency = LoraResidency(dit, max_loras=2, files=SimpleNamespace(read=lambda path, shapes: {}))
         ref = {name: LoraRef(name, name.lower()) for name in "ABCD"}
         async with residency.use((ref["A"], ref["B"])):

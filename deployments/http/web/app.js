@@ -87,17 +87,22 @@ function newControl() {
   numberControls();
 }
 
-function numberControls() {
-  // Each part is named as the server names it in an error (control[k].scale), so its message shows beside it.
-  controlList.querySelectorAll(".control").forEach((control, k) => {
-    control.dataset.field = `control[${k}]`;
-    for (const part of control.querySelectorAll("[data-part]")) {
-      const id = `control-${k}-${part.dataset.part}`;
-      part.dataset.field = `control[${k}].${part.dataset.part}`;
+function numberRows(list, field, idPrefix) {
+  // Each row's parts are named as the server names them in an error (control[k].scale, loras[k].name), so a message
+  // shows beside its part.
+  list.querySelectorAll(":scope > div").forEach((row, k) => {
+    row.dataset.field = `${field}[${k}]`;
+    for (const part of row.querySelectorAll("[data-part]")) {
+      const id = `${idPrefix}-${k}-${part.dataset.part}`;
+      part.dataset.field = `${field}[${k}].${part.dataset.part}`;
       part.querySelector("input, select").id = id;
       part.querySelector("label").htmlFor = id;
     }
   });
+}
+
+function numberControls() {
+  numberRows(controlList, "control", "control");
   addControl.disabled = controlList.children.length >= settings.max_controls;
   addControl.textContent = controlList.children.length ? "Add another ControlNet" : "Add a ControlNet";
 }
@@ -135,15 +140,7 @@ async function newAdapter() {
 }
 
 function numberAdapters() {
-  // Named as the server names them in an error (loras[k].scale), so a message shows beside its adapter.
-  adapterList.querySelectorAll(".adapter").forEach((adapter, k) => {
-    for (const part of adapter.querySelectorAll("[data-part]")) {
-      const id = `lora-${k}-${part.dataset.part}`;
-      part.dataset.field = `loras[${k}].${part.dataset.part}`;
-      part.querySelector("input, select").id = id;
-      part.querySelector("label").htmlFor = id;
-    }
-  });
+  numberRows(adapterList, "loras", "lora");
   addAdapter.disabled = adapterList.children.length >= settings.max_loras;
   addAdapter.textContent = adapterList.children.length ? "Stack another adapter" : "Add an adapter";
 }
