@@ -135,11 +135,12 @@ def test_lora_adapters_load_generate_and_unload_through_the_openai_client(served
 
 def test_a_stack_of_adapters_through_the_official_client_and_the_page_equals_diffusers_set_adapters(served, tiny_dir):
     """Issue 52: two run-time adapters (ranks 4 and 8, the second on attention alone) stacked at weights 1.0 and 0.6
-    through the openai client's extra_body are diffusers' set_adapters with those weights; on the page, the same two
-    adapters picked from the model list with their weights give the same image, and a weight out of range is said
-    beside it."""
+    through the openai client's extra_body are diffusers' set_adapters with those weights, and a few-step adapter
+    (Lightning's recipe beside its file) stacked with the second is that with the recipe's steps, CFG and scheduler;
+    on the page, the first two picked from the model list with their weights give the same image as the client, and
+    a weight out of range is said beside it."""
     import openai
-    from diffusers import QwenImagePipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     from testing.browser import browser_page, result_size
     from testing.lora_files import make_adapter
@@ -147,7 +148,12 @@ def test_a_stack_of_adapters_through_the_official_client_and_the_page_equals_dif
     root = served["adapters"]
     paths = {"S1": str(make_adapter(tiny_dir, root / "S1", rank=4, alpha=8, seed=1)),
              "S2": str(make_adapter(tiny_dir, root / "S2", rank=8, alpha=16, seed=4, targets=(
-                 "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")))}
+                 "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"))),
+             "L": str(make_adapter(tiny_dir, root / "L", rank=4, alpha=8, seed=6))}
+    lightning = {"base_shift": 1.0986122886681098, "max_shift": 1.0986122886681098, "max_image_seq_len": 8192,
+                 "shift_terminal": None}
+    (root / "L" / "recipe.json").write_text(json.dumps({"num_inference_steps": 4, "true_cfg_scale": 1.0,
+                                                         "scheduler": lightning}))
     load, unload = served["base"] + "/v1/load_lora_adapter", served["base"] + "/v1/unload_lora_adapter"
     client = openai.OpenAI(base_url=served["base"] + "/v1", api_key="unused")
     stack = [{"name": "S1", "scale": 1.0}, {"name": "S2", "scale": 0.6}]
@@ -156,6 +162,8 @@ def test_a_stack_of_adapters_through_the_official_client_and_the_page_equals_dif
             assert post(load, {"lora_name": name, "lora_path": path})[0] == 200
         result = client.images.generate(prompt="a red cat", size="64x64", extra_body={
             "seed": 3, "num_inference_steps": 2, "loras": stack})
+        fast = client.images.generate(prompt="a red cat", size="64x64", extra_body={
+            "seed": 4, "negative_prompt": "blurry", "loras": [{"name": "L"}, {"name": "S2", "scale": 0.6}]})
         with pytest.raises(openai.BadRequestError) as info:
             client.images.generate(prompt="a red cat", size="64x64", extra_body={"loras": [{"name": "S3"}]})
         assert info.value.param == "loras[0].name"
@@ -190,6 +198,12 @@ def test_a_stack_of_adapters_through_the_official_client_and_the_page_equals_dif
     expected = (image * 255).round().astype(np.uint8)
     assert within_one_level(png(result.data[0].b64_json), expected)
     assert within_one_level(png(on_page), expected)
+    reference.set_adapters(["L", "S2"], adapter_weights=[1.0, 0.6])
+    reference.scheduler = FlowMatchEulerDiscreteScheduler.from_config({**reference.scheduler.config, **lightning})
+    image = reference("a red cat", negative_prompt="blurry", true_cfg_scale=1.0, height=64, width=64,
+                      num_inference_steps=4, output_type="np",
+                      generator=torch.Generator("cpu").manual_seed(4)).images[0]
+    assert within_one_level(png(fast.data[0].b64_json), (image * 255).round().astype(np.uint8))
 
 
 def test_http_images_match_diffusers_with_seed_per_image(served, reference):
