@@ -189,8 +189,8 @@ def test_control_beside_an_adapter_and_a_cached_row_equals_each_alone(tiny_dir, 
                 ((), lora, None), ((), None, fbc)]
         requests = []
         for i, (controls, adapter_ref, cache) in enumerate(rows):
-            params = DenoiseParams(height, width, steps, 30 + i, 4.0, cache, adapter_ref, true_cfg=True,
-                                   controls=controls)
+            params = DenoiseParams(height, width, steps, 30 + i, 4.0, cache, (adapter_ref,) if adapter_ref else (),
+                                   true_cfg=True, controls=controls)
             images = [control_image(height, width, 40 + i)] * len(controls)
             requests.append((params, prompt, negative, control_latents(pipe, images, 30 + i)))
         together, states = run_together(runner, requests)
