@@ -96,7 +96,7 @@ class LoraResidency:
                     self._wake()
                     raise
                 return entries
-            missing = [lora for lora in loras if lora.key not in self.resident]
+            missing = list({lora.key: lora for lora in loras if lora.key not in self.resident}.values())
             if len(self.resident) + len(missing) <= self.max_loras:
                 for lora in missing:
                     self.resident[lora.key] = _Resident(asyncio.ensure_future(self._load(lora)))
