@@ -44,6 +44,10 @@ def served(tiny_dir, tmp_path_factory):
     adapters, spans = tmp_path_factory.mktemp("adapters"), tmp_path_factory.mktemp("spans")
     preset = yaml.safe_load((REPO / "stage_configs" / "qwen_image_tiny.yaml").read_text())
     preset["lora"] = {"allow_runtime_updates": True, "roots": [str(adapters)]}
+    # The tiny DiT learns its step times from 64x64 steps, whose fixed cost the fit reads as cost per token, so on a
+    # slow machine its estimate of the 512x512 request below (LONG) passed 600 s (1,739 s, for a request that runs
+    # in seconds) and admission refused it; these tests are about streams and aborts, not deadlines.
+    preset.setdefault("requests", {})["timeout_s"] = 3600.0
     config = {**yaml.safe_load((REPO / "config.yaml").read_text()), "tracing_config": TRACING}
     path = tmp_path_factory.mktemp("config") / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -942,6 +946,8 @@ def test_a_redeploy_that_restarts_the_dit_under_load_loses_no_request(served, ti
 
     preset = yaml.safe_load((REPO / "stage_configs/qwen_image_tiny.yaml").read_text())
     preset["dit"]["max_batch_size"] = 4
+    preset.setdefault("requests", {})["timeout_s"] = 3600.0  # as the served fixture's: new replicas' first steps
+    # taught their step fit a rate that put 64x64 requests past 600 s, and admission refused them (503)
     (tmp_path / "preset.yaml").write_text(yaml.safe_dump(preset))
     finished, results = [], []
     numbers, redeployed = itertools.count(), threading.Event()
