@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 
 def run_to_completion(core, max_steps=50):
@@ -14,6 +15,18 @@ def run_to_completion(core, max_steps=50):
         batches.append(sorted({o.request_id for o in outputs}))
         results.update({o.request_id: o.result for o in outputs if o.finish_reason == "stop"})
     return results, batches
+
+
+def run_batch(runner, requests, max_batch_size: int = 8):
+    """``requests`` (copies) through a DiT engine core over ``runner``, to the end: ``run_to_completion``'s results
+    and step batches."""
+    from omni_ray.engine.core import EngineCore
+    from omni_ray.engine.dit_scheduler import DiTScheduler
+
+    core = EngineCore(DiTScheduler(max_batch_size=max_batch_size, max_wait_steps=4), runner)
+    for request in requests:
+        core.add_request(dataclasses.replace(request))
+    return run_to_completion(core)
 
 
 class AdapterRecordingDiT:

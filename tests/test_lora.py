@@ -4,7 +4,6 @@ the file checks, and which adapters a DiT replica keeps resident."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 import shutil
@@ -17,15 +16,13 @@ import yaml
 from conftest import REPO
 
 from omni_ray.config import ConfigError, LoraEntry, load_config, parse_config
-from omni_ray.engine.core import EngineCore
-from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.errors import EngineError, NotFoundError, RequestError
 from omni_ray.pipeline import Pipeline
 from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.lora import read_lora
-from testing.engines import AdapterRecordingDiT, run_to_completion
+from testing.engines import AdapterRecordingDiT, run_batch
 from testing.lora_files import make_adapter, to_kohya
 from testing.numerics import assert_reordered
 from testing.reference import PromptEncoder
@@ -215,10 +212,7 @@ def test_a_step_batch_of_different_adapters_equals_each_alone(tiny_dir, adapters
                 for i in range(4)]
 
     def run(batch):
-        core = EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner)
-        for request in batch:
-            core.add_request(dataclasses.replace(request))
-        return run_to_completion(core)
+        return run_batch(runner, batch)
 
     together, batches = run(requests)
     assert max(len(batch) for batch in batches) == 4  # one batch of four

@@ -17,14 +17,12 @@ import yaml
 from conftest import REPO
 
 from omni_ray.config import parse_config
-from omni_ray.engine.core import EngineCore
-from omni_ray.engine.dit_scheduler import DiTScheduler
 from omni_ray.engine.lora_residency import LoraResidency
 from omni_ray.pipeline import Pipeline
 from omni_ray.records import DenoiseParams, DenoiseRequest, LoraRef
 from omni_ray.runners.denoise import DenoiseRunner
 from omni_ray.runners.lora import LoraLayer, LoraTable, read_lora
-from testing.engines import AdapterRecordingDiT, run_to_completion
+from testing.engines import AdapterRecordingDiT, run_batch
 from testing.lora_files import make_adapter
 from testing.numerics import assert_reordered
 from testing.reference import PromptEncoder
@@ -119,10 +117,7 @@ def test_a_step_of_stacks_single_adapters_and_none_gives_each_row_what_it_gives_
                                prompts[i], negatives[i]) for i in range(5)]
 
     def run(batch):
-        core = EngineCore(DiTScheduler(max_batch_size=8, max_wait_steps=4), runner)
-        for request in batch:
-            core.add_request(dataclasses.replace(request))
-        return run_to_completion(core)
+        return run_batch(runner, batch)
 
     together, batches = run(requests)
     assert max(len(batch) for batch in batches) == 5  # one batch of five
