@@ -41,7 +41,7 @@ class Clock:
 def linear_load(clock, **kwargs) -> DiTLoad:
     """A load whose steps take 0.1 s plus 0.1 ms a token; two rows of 2000 tokens fit a step."""
     times = StepTimes()
-    for tokens in (1000, 3000, 2000) * 3:  # past the steps a replica's estimates are trusted after
+    for tokens in (1000, 4000, 2000) * 3:  # past the steps a replica's estimates are trusted after, up to a full step
         times.observe(tokens, 0.1 + 1e-4 * tokens)
     return DiTLoad(times.snapshot, max_batch_size=8, max_batch_tokens=4000, clock=clock.monotonic, **kwargs)
 

@@ -47,6 +47,31 @@ def test_a_replica_s_first_step_is_left_out_of_its_step_times():
     assert core.step_times.fit == pytest.approx((0.0, 2e-4))
 
 
+def test_a_step_ten_times_faster_than_the_fit_starts_it_again():
+    """Steps slowed by a machine busy starting other replicas, or a proportional fit from small steps that are all
+    overhead, once made the estimates refuse requests that would have finished in seconds (503)."""
+    warm_up = StepTimes()
+    for _ in range(3):
+        warm_up.observe(100, 5.0)
+    warm_up.observe(100, 0.01)
+    assert warm_up.num_steps == 1 and warm_up.seconds(100) == pytest.approx(0.01)
+    small = StepTimes()
+    for _ in range(8):
+        small.observe(40, 0.02)  # tiny steps, all overhead: 0.5 ms a token, proportional
+    small.observe(1100, 0.03)  # a 512x512 one: the fit said 0.55 s
+    assert small.num_steps == 1 and small.max_tokens == 1100 and small.seconds(1100) == pytest.approx(0.03)
+
+
+def test_an_estimate_refuses_no_request_much_larger_than_the_steps_the_fit_saw():
+    times = StepTimes()
+    for tokens in (40, 80) * 4:
+        times.observe(tokens, 0.02 + 1e-4 * tokens)
+    load = DiTLoad(times.snapshot, max_batch_size=1, max_batch_tokens=None)
+    assert times.snapshot().max_tokens == 80
+    assert load.estimate(priority=0, tokens=160, steps=20) == pytest.approx(20 * (0.02 + 0.016))
+    assert load.estimate(priority=0, tokens=161, steps=20) == 0  # a line through 40 and 80 tokens says little of it
+
+
 def test_work_counts_remaining_steps_at_the_depth_each_key_batches_and_estimates_by_priority():
     times = StepTimes()
     for tokens in (1000, 3000) * 3 + (1000,):

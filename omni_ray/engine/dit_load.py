@@ -50,15 +50,19 @@ class StepFit:
     per_token_s: float = 0.0
     num_steps: int = 0
     slow: float = 1.0
+    max_tokens: float = math.inf  # the largest step in the fit (a fit given whole, not learned: any)
 
 
 TRUSTED_AFTER_STEPS = 8  # steps in a replica's fit before its estimates may refuse a request (``DiTLoad.estimate``)
+EXTRAPOLATE_AT_MOST = 2.0  # an estimate refuses a request only as large as this many times the fit's largest step
 
 
 class StepTimes:
     """An exponentially weighted least-squares fit of step seconds against step tokens; until steps of two sizes
-    were seen it is proportional (no overhead). A step ten times slower than the fit predicts (the first step of a
-    shape that compiles, say) is left out once the fit has a few steps. Beside it, for each size (tokens to a power
+    were seen it is proportional (no overhead). Once the fit has a few steps, a step ten times slower than it
+    predicts (the first step of a shape that compiles, say) is left out, and a step ten times faster starts the fit
+    again from that step: the steps before it were a warm-up (a new replica's first steps beside a machine busy
+    starting others) or a proportional fit from small steps, all overhead, that a larger one proved wrong. Beside it, for each size (tokens to a power
     of two), a moving mean of how much slower its steps ran than the fit said: the estimates' margin for the fit's
     error. Lives in the DiT's core, on the engine's thread; others read its ``snapshot()`` in the engine's stats.
 
@@ -69,14 +73,20 @@ class StepTimes:
     def __init__(self, halflife_steps: float = 200.0, overhead_s: float = 0.0):
         self.decay = 0.5 ** (1.0 / halflife_steps)
         self.overhead_s = overhead_s
+        self._clear()
+
+    def _clear(self) -> None:
         self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, tokens, tokens^2, seconds, tokens*seconds
         self.fit: tuple[float, float] = (0.0, 0.0)  # (overhead s, s per token)
         self.num_steps = 0
         self.slow_by_size: dict[int, float] = {}  # tokens.bit_length() -> moving mean of seconds over the fit's
+        self.max_tokens = 0  # the largest step in the fit
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or (self.num_steps >= 3 and seconds > 10 * self.seconds(tokens)):
             return
+        if self.num_steps >= 3 and 10 * seconds < self.seconds(tokens):
+            self._clear()
         if self.num_steps >= 3:
             size, ratio = tokens.bit_length(), seconds / self.seconds(tokens)
             mean = self.slow_by_size.get(size, ratio)
@@ -85,6 +95,7 @@ class StepTimes:
         weight, t, tt, y, ty = self.sums
         self.sums = (d * weight + 1, d * t + tokens, d * tt + tokens**2, d * y + seconds, d * ty + tokens * seconds)
         self.num_steps += 1
+        self.max_tokens = max(self.max_tokens, tokens)
         self.fit = _solve(*self.sums, self.overhead_s)
 
     def seconds(self, tokens: int) -> float:
@@ -92,7 +103,7 @@ class StepTimes:
         return overhead + per_token * tokens
 
     def snapshot(self) -> StepFit:
-        return StepFit(*self.fit, self.num_steps, max([1.0, *self.slow_by_size.values()]))
+        return StepFit(*self.fit, self.num_steps, max([1.0, *self.slow_by_size.values()]), self.max_tokens)
 
 
 def _solve(w: float, t: float, tt: float, y: float, ty: float, overhead_s: float = 0.0) -> tuple[float, float]:
@@ -223,8 +234,10 @@ class DiTLoad:
         (the module's docstring says which); ``deadline_s`` bounds how far less urgent work may age; ``key``: its
         ``size_key``. 0 until the replica's fit holds ``TRUSTED_AFTER_STEPS`` steps: a new replica's first few steps
         (its start's, under whatever else the machine ran meanwhile) would refuse requests on a line through one or
-        two points."""
-        if self.step_fit().num_steps < TRUSTED_AFTER_STEPS:
+        two points; 0 too for a request more than ``EXTRAPOLATE_AT_MOST`` times the largest step the fit saw: a line
+        through small steps only, all overhead, put a 512x512 request of the tiny DiT past half an hour."""
+        fit = self.step_fit()
+        if fit.num_steps < TRUSTED_AFTER_STEPS or tokens > EXTRAPOLATE_AT_MOST * fit.max_tokens:
             return 0.0
         rank, own_tenant = self._rank(priority, tenant)
         own = steps * self.full_steps_seconds(tokens, passes, images)
@@ -254,7 +267,7 @@ class DiTLoad:
                 sending[arrival_tenant] = sending.get(arrival_tenant, 0.0) + cost
         ahead_rate = min(MAX_ARRIVAL_RATE, arriving / ARRIVALS_WINDOW_S)
         share = mine + own  # the most each other tenant at its priority runs before it is done: they take turns
-        slow = self.step_fit().slow
+        slow = fit.slow
 
         def finish(seconds: float) -> float:
             """When it is done if it is done in ``seconds``: other tenants take what they hold and send meanwhile,
