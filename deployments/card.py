@@ -24,8 +24,9 @@ PING_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 2.0
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
-class CardActor:
+class CardTurns:
+    """The actor's state and methods (``CardActor`` is this class as a Ray actor)."""
+
     def __init__(self):
         self.ledger = CardLedger()
         self.changed = asyncio.Condition()
@@ -83,6 +84,9 @@ class CardActor:
                 self.changed.notify_all()
         except TimeoutError:  # alive but slow to answer: its turn goes on
             pass
+
+
+CardActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(CardTurns)
 
 
 class RayCard:

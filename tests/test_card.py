@@ -3,8 +3,8 @@ order asked; the tiny checkpoint run in process with its three stages on one "ca
 time, each image the same as without turns (within a level: a turn changes when a stage computes, and so which
 requests share a step batch, which may reorder float32 sums, never what it computes), no two
 turns at once, the encoder's weights off the device between its turns and back for each, every stage's holdings
-counted; the placement check of a one-card preset with the encoder taking turns; and what a card refuses. The Serve
-app's card (one Ray actor) is served in tests/test_serve_one_card.py."""
+counted; the placement check of a one-card preset with the encoder taking turns; what a card refuses; and the Serve
+app's card actor's class ending a dead holder's turn. The actor itself is served in tests/test_serve_one_card.py."""
 
 from __future__ import annotations
 
@@ -181,3 +181,62 @@ def test_the_placement_check_counts_residents_and_the_largest_turn():
     with pytest.raises(ConfigError, match=r"encoder.gpu_memory_utilization: vLLM starts only with 0.8 of the card "
                                           r"\(19.2 GiB\) free, but the stages sharing it hold about 6.5 GiB"):
         load_config(path, overrides=preset(10, gpu_memory_utilization=0.8, deployment={"num_gpus": 0.8}))
+
+
+class _Replica:
+    """A stage replica as the card's actor sees it: ``__ray_ready__.remote()`` answers, hangs, or raises as a dead
+    actor's does."""
+
+    def __init__(self, state: str = "alive"):
+        self.state = state
+        self.__ray_ready__ = self
+        self.asked = 0
+
+    def remote(self):
+        import ray.exceptions
+
+        async def ready():
+            self.asked += 1
+            if self.state == "dead":
+                raise ray.exceptions.ActorDiedError()
+            if self.state == "hung":
+                await asyncio.sleep(3600)
+
+        return ready()
+
+
+def test_the_card_s_actor_ends_the_turn_of_a_dead_holder_and_only_a_dead_one(monkeypatch):
+    """A replica that dies holding the turn would stall the card: the actor (``deployments/card.py``, here its class
+    without Ray) asks the holder whether it lives once a turn has been asked for ``HOLDER_CHECK_S``."""
+    from deployments import card
+
+    monkeypatch.setattr(card, "HOLDER_CHECK_S", 0.05)
+    monkeypatch.setattr(card, "PING_TIMEOUT_S", 0.05)
+    replicas = {"encoder": _Replica(), "dit": _Replica(), "vae": _Replica()}
+
+    async def scenario():
+        turns = card.CardTurns()
+        for stage, replica in replicas.items():
+            await turns.register(stage, replica)
+        # Alive, and then slow to answer: its turn goes on however long the DiT asks.
+        await turns.take("vae")
+        asking = asyncio.ensure_future(turns.take("dit"))
+        await asyncio.sleep(0.3)
+        replicas["vae"].state = "hung"
+        await asyncio.sleep(0.3)
+        assert not asking.done() and replicas["vae"].asked >= 4 and turns.ledger.holder == "vae"
+        await turns.give("vae", 100, 10)
+        await asyncio.wait_for(asking, 1)
+        assert turns.ledger.holder == "dit"
+        # Dead while holding the turn: the next stage asking has it within a check, the dead one holds nothing.
+        replicas["dit"].state = "dead"
+        started = time.monotonic()
+        await asyncio.wait_for(turns.take("encoder"), 2)
+        assert turns.ledger.holder == "encoder" and time.monotonic() - started >= card.HOLDER_CHECK_S
+        assert turns.ledger.stats.held_bytes.get("dit", 0) == 0
+        # A replacement registering while its predecessor holds the turn ends that turn too.
+        await turns.register("encoder", _Replica())
+        assert turns.ledger.holder is None
+        await asyncio.wait_for(turns.take("vae"), 1)
+
+    asyncio.run(scenario())

@@ -62,9 +62,10 @@ class StepTimes:
     were seen it is proportional (no overhead). Once the fit has a few steps, a step ten times slower than it
     predicts (the first step of a shape that compiles, say) is left out, and a step ten times faster starts the fit
     again from that step: the steps before it were a warm-up (a new replica's first steps beside a machine busy
-    starting others) or a proportional fit from small steps, all overhead, that a larger one proved wrong. Beside it, for each size (tokens to a power
-    of two), a moving mean of how much slower its steps ran than the fit said: the estimates' margin for the fit's
-    error. Lives in the DiT's core, on the engine's thread; others read its ``snapshot()`` in the engine's stats.
+    starting others) or a proportional fit from small steps, all overhead, that a larger one proved wrong. Beside
+    it, for each size (tokens to a power of two), a moving mean of how much slower its steps ran than the fit said:
+    the estimates' margin for the fit's error. Lives in the DiT's core, on the engine's thread; others read its
+    ``snapshot()`` in the engine's stats.
 
     ``overhead_s``: a step's fixed cost known before any step ran (a streamed DiT's weight transfer, ``dit.offload``):
     while steps of one size only were seen, the fit keeps it (at most 99% of a step) and makes the rest
