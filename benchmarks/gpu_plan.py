@@ -16,7 +16,7 @@ carried (``.whl/profile`` for the first command, ``.whl/serve`` for the others; 
     bash benchmarks/gpu_plan.sh small_card   # (e) the one-card presets' DiT from a random Q4_0 GGUF file at full size
                                              #     and their banded VAE, on the GPU capped to 24 and 16 GiB: s per
                                              #     image-step at batch 1 and 4 against every block on the card, peak
-                                             #     memory  -> gpu_small_card.json
+                                             #     memory; torchao int4 on the bf16 DiT  -> gpu_small_card.json
     bash benchmarks/gpu_plan.sh qwen21       # (d) Qwen-Image 2.1's dummy preset: served latency at 1024x1024 (a
                                              #     generation and an edit), then in process its DiT's first step
                                              #     (which fills the condition cache) against the later ones (which
@@ -705,7 +705,8 @@ def small_card(record: Record, args) -> None:
     (``torch.cuda.set_per_process_memory_fraction``), at Qwen-Image's full size with random Q4_0 weights in the GGUF
     layout (``checkpoints.gguf.write_random``): each card's preset's blocks kept (all on 24 GiB, 36 on 16), seconds
     per step at 1024x1024 with true CFG for one image and four, the same steps with every block on an uncapped card
-    (its compute alone, against which the streamed step's overlap reads), peak memory; the VAE's banded decode at
+    (its compute alone, against which the streamed step's overlap reads), peak memory; torchao's int4 on the bf16
+    model (``_dit_int4``: its bytes, steps and distance to bf16); the VAE's banded decode at
     1664x1664 under the card's VAE share; the encoder's weights leaving the card and coming back, as between its turns
     on a shared card (``card``)."""
     from omni_ray.checkpoints import gguf as gguf_file
@@ -734,6 +735,7 @@ def _small_card_phases(record, gguf_file, checkpoint, folder, side, vae_side, ba
     for name, (cap_gib, kept) in cards.items():
         record.phase(f"dit_{name}", lambda c=cap_gib, k=kept: _dit_steps(checkpoint, weights["file"], c, k, side,
                                                                           batches), needs_s=90)
+    record.phase("dit_int4", lambda: _dit_int4(checkpoint, side, batches), needs_s=120)
     record.phase("vae_banded", lambda: _vae_banded(checkpoint, None if dry_run else 7.2, vae_side), needs_s=30)
     record.phase("encoder_turns", lambda: _encoder_turns(checkpoint), needs_s=60)
 
@@ -796,6 +798,63 @@ def _dit_steps(checkpoint: str, weights_file: str, cap_gib: float | None, kept: 
                 "fetches": streamer.fetches if streamer else 0}
     finally:
         runner = None  # its weights go back to the GPU before the next phase
+        _free_gpu()
+
+
+def _dit_int4(checkpoint: str, side: int, batches: tuple[int, ...], repeats: int = 2) -> dict:
+    """``dit.quantization: int4`` (torchao's tinygemm int4, CUDA only) on the full-size DiT with random bf16 weights
+    (``weights: dummy``), uncapped: the quantizing's seconds, the weights' GiB before and after, seconds per step at
+    ``side`` with true CFG for ``batches`` images, peak memory, and one step's latents against the bf16 model's from
+    the same state (the quantization's error on these weights). Where int4 cannot run (the CPU of a rehearsal) the
+    refusal, naming the setting, is the figure."""
+    import torch
+
+    from benchmarks.gpu import timed
+    from omni_ray.records import DenoiseParams, PromptEmbeds
+    from omni_ray.runners.denoise import DenoiseRunner
+    from omni_ray.runners.quantization import quantize_int4
+
+    _capped(None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    runner = DenoiseRunner.load(checkpoint, dtype, device, dummy=True)
+    dim = runner.transformer.config.joint_attention_dim
+    generator = torch.Generator().manual_seed(0)
+    embeds = [PromptEmbeds(torch.randn(64, dim, generator=generator)) for _ in range(2 * max(batches))]
+
+    def states(batch: int):
+        return [runner.prepare(DenoiseParams(side, side, 1000, seed=i, true_cfg_scale=4.0, true_cfg=True),
+                               embeds[2 * i], embeds[2 * i + 1]) for i in range(batch)]
+
+    def one_step():
+        (state,) = states(1)
+        runner.step([state])
+        return state.latents.float()
+
+    try:
+        bf16 = one_step()
+        before = torch.cuda.memory_allocated() if device == "cuda" else None
+        start = time.monotonic()
+        try:
+            quantized = quantize_int4(runner.transformer)
+        except RuntimeError as refusal:
+            return {"skipped": str(refusal)}
+        _synchronize()
+        report = {"linears": quantized, "quantize_s": round(time.monotonic() - start, 1),
+                  "weights_gib_before": round(before / 2**30, 2),
+                  "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
+        torch.cuda.reset_peak_memory_stats()
+        got = one_step()
+        report["latents_rel_l2"] = float((got - bf16).norm() / bf16.norm())
+        report["batches"] = {}
+        for batch in batches:
+            batch_states = states(batch)
+            seconds = timed(lambda: runner.step(batch_states), repeats)
+            report["batches"][batch] = {"step_s": round(seconds, 3), "s_per_image_step": round(seconds / batch, 3)}
+        report["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        return report
+    finally:
+        runner = None
         _free_gpu()
 
 

@@ -59,6 +59,9 @@ from omni_ray.families.qwen_image.facts import (
 
 GIB = 1 << 30
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The DiT's block Linears' bytes a weight under dit.quantization int8 (a scale a row: nothing to speak of) and int4 (a
+# bf16 scale and zero point a group of 128, runners.quantization.INT4_GROUP).
+QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 128}
 CONTEXT_GIB = 1.0
 DIT_GIB_PER_REQUEST_1328 = 1.2  # measured: peak at b=8 minus b=1, over 7, on an H100 (gpu.json)
 VAE_GIB_PER_MEGAPIXEL = 4.0  # measured: 7.0 GiB to decode one 1328x1328 image
@@ -118,9 +121,11 @@ def qwen_image_stage_memory(config, gpu_memory_gib: float) -> list[StageMemory]:
             else:
                 weights = dit_weight_bytes(width, parallel.tensor, stage.quantization == "fp8") / GIB
                 kind = f"{stage.dtype}{' and float8' if stage.quantization == 'fp8' else ''}"
-                if stage.quantization == "int8":  # the blocks' Linears at a byte a weight (and a scale a row)
-                    weights = (PUBLISHED_PARAMS["transformer"] - BLOCK_LINEAR_PARAMS * (1 - 1 / width)) * width / GIB
-                    kind = f"int8 and {stage.dtype}"
+                if stage.quantization in QUANTIZED_BYTES:  # the blocks' Linears at their bytes a weight
+                    per_weight = QUANTIZED_BYTES[stage.quantization]
+                    weights = ((PUBLISHED_PARAMS["transformer"] - BLOCK_LINEAR_PARAMS) * width
+                               + BLOCK_LINEAR_PARAMS * per_weight) / GIB
+                    kind = f"{stage.quantization} and {stage.dtype}"
             streamed = ""
             if stage.offload is not None:  # the kept blocks and the two passing through
                 on_card = min(NUM_BLOCKS, max(kept_blocks(config, gpu_memory_gib), 1) + 2)

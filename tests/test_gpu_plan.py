@@ -55,10 +55,10 @@ def test_the_profile_command_writes_the_machine_and_every_variant(tmp_path):
 
 def test_the_small_card_command_measures_each_card_s_dit_and_the_banded_vae(tmp_path):
     """The one-card layout in process: a random Q4_0 GGUF file in the published layout, the DiT unstreamed and as
-    each card's preset keeps its blocks (the tiny model's two: both, or one and one streamed), the banded decode, the
-    encoder's weights away and back as between its turns on a shared card."""
+    each card's preset keeps its blocks (the tiny model's two: both, or one and one streamed), int4 (refused on the
+    CPU), the banded decode, the encoder's weights away and back as between its turns on a shared card."""
     record = rehearsed("small_card", tmp_path, ["environment", "weights", "dit_uncapped", "dit_24gib", "dit_16gib",
-                                                 "vae_banded", "encoder_turns"])
+                                                 "dit_int4", "vae_banded", "encoder_turns"])
     assert record["weights"]["bytes"] > 0
     for phase in ("dit_uncapped", "dit_24gib", "dit_16gib"):
         assert set(record[phase]["batches"]) == {"1", "2"} and all(
@@ -66,6 +66,7 @@ def test_the_small_card_command_measures_each_card_s_dit_and_the_banded_vae(tmp_
     assert record["dit_uncapped"]["fetches"] == record["dit_24gib"]["fetches"] == 0
     streamed = record["dit_16gib"]
     assert streamed["kept"] == 1 and streamed["fetches"] > 0 and streamed["streamed_bytes_per_step"] > 0
+    assert "dit.quantization: int4 runs on CUDA GPUs" in record["dit_int4"]["skipped"]  # the CPU: its refusal
     assert record["vae_banded"]["decode_s"] > 0
     turns = record["encoder_turns"]
     assert turns["weights_bytes"] > 0 and turns["kept_while_away_gib"] == 0 and turns["same_after"], turns

@@ -104,3 +104,31 @@ def test_placement_counts_int8_block_weights_and_refuses_what_int8_does_not_do(t
     for more in ({"offload": {"blocks_on_gpu": 1}}, {"parallel": {"tensor": 2}}):
         with pytest.raises(ConfigError, match="dit: quantization: int8 weights are not streamed"):
             load_config(tiny, model=str(tiny_dir), overrides={"dit": {"quantization": "int8", **more}})
+
+
+def test_int4_is_placed_at_a_little_over_half_a_byte_a_block_weight_and_refused_where_torchao_cannot_run_it(tiny_dir):
+    """``dit.quantization: int4`` (torchao's tinygemm int4, CUDA only): the placement check counts the block Linears
+    at half a byte and a group's scale and zero point; a CPU preset, a float32 one, streamed blocks and tensor ranks
+    are refused naming the field; the quantizer itself refuses a CPU model. Its images wait for a GPU (the GPU plan's
+    ``small_card`` command)."""
+    from omni_ray.placement import GIB, stage_memory
+    from omni_ray.runners.quantization import INT4_GROUP, quantize_int4
+
+    preset = REPO / "stage_configs/qwen_image_one_gpu_dummy.yaml"
+    bf16, int4 = (next(e for e in stage_memory(load_config(preset, overrides={"dit": {"quantization": q}}), 80)
+                       if e.stage == "dit") for q in ("none", "int4"))
+    assert "int4 and bfloat16" in int4.detail
+    saved = BLOCK_LINEAR_PARAMS * (2 - 0.5 - 4 / INT4_GROUP) / GIB
+    assert bf16.need_gib - int4.need_gib == pytest.approx(saved, abs=0.1) and saved > 27
+    with pytest.raises(ConfigError, match="dit.quantization: int4 runs on CUDA GPUs in bfloat16.*not dit.device cuda "
+                                          "in float32"):
+        load_config(preset, overrides={"dit": {"quantization": "int4", "dtype": "float32"}})
+    tiny = REPO / "stage_configs/qwen_image_tiny.yaml"
+    with pytest.raises(ConfigError, match="dit.quantization: int4 runs on CUDA GPUs .* not dit.device cpu"):
+        load_config(tiny, model=str(tiny_dir), overrides={"dit": {"quantization": "int4"}})
+    for more in ({"offload": {"blocks_on_gpu": 1}}, {"parallel": {"tensor": 2}}):
+        with pytest.raises(ConfigError, match="dit: quantization: int4 weights are not streamed"):
+            load_config(preset, overrides={"dit": {"quantization": "int4", "compile": False, **more}})
+    runner = DenoiseRunner.load(str(tiny_dir))
+    with pytest.raises(RuntimeError, match="dit.quantization: int4 runs on CUDA GPUs in bfloat16 .* not cpu"):
+        quantize_int4(runner.transformer)

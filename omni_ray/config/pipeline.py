@@ -137,6 +137,10 @@ class PipelineConfig(Frozen):
             stage = getattr(self, stage_name)
             if stage.device.startswith("cuda") and stage.deployment.num_gpus == 0:
                 raise ValueError(f"{stage_name}.deployment.num_gpus must be > 0 when {stage_name}.device is cuda")
+        if self.dit.quantization == "int4" and self.dit.runner == "model" and (
+                not self.dit.device.startswith("cuda") or self.dit.dtype != "bfloat16"):
+            raise ValueError(f"dit.quantization: int4 runs on CUDA GPUs in bfloat16 (torchao's tinygemm kernel; it "
+                             f"has no CPU layout here), not dit.device {self.dit.device} in {self.dit.dtype}")
         if self.dit.quantization == "fp8" and self.dit.runner == "model":
             if not self.dit.device.startswith("cuda"):
                 raise ValueError(f"dit.quantization: fp8 runs on CUDA GPUs (float8 matmuls), not dit.device "

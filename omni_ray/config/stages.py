@@ -252,14 +252,16 @@ class DiTConfig(StageConfig):
         "parallelism (docs/parallel.md). Above world size 1 each replica is a gang of that many Ray actors in the "
         "replica's placement group, one GPU each on GPU presets.",
     )
-    quantization: Literal["none", "fp8", "int8"] = Field(
+    quantization: Literal["none", "fp8", "int8", "int4"] = Field(
         "none",
         description="The checkpoint's weights quantized at load by torchao (omni_ray/runners/quantization.py). fp8: "
         "dynamic float8 with per-row scales on the transformer blocks' Linears (weights and activations in "
         "float8_e4m3, float32 accumulation), keeping the image MLP's output projection and the modulation Linears "
         "in bfloat16; needs a CUDA GPU of compute capability 8.9 or more (L4, L40S, H100, H200) and dtype "
         "bfloat16. int8: weight-only int8 with per-row scales on every block Linear (activations in dtype), on any "
-        "device: the blocks' weights in half their bf16 bytes. Not with tensor parallelism or offload. Off by "
+        "device: the blocks' weights in half their bf16 bytes. int4: weight-only int4 on the same Linears, groups of "
+        "128 with a scale and zero point each (tinygemm's packing): CUDA GPUs and dtype bfloat16 only, a little over a "
+        "quarter of the bf16 bytes. int8 and int4: not with tensor parallelism or offload. Off by "
         "default: the effect on image quality with real weights is not measured here.",
     )
     offload: OffloadSettings | None = Field(
@@ -283,9 +285,9 @@ class DiTConfig(StageConfig):
         if self.offload is not None and self.compile:
             raise ValueError("offload: streamed blocks swap their weights in hooks that compiled blocks would trace; "
                              "set compile: false")
-        if self.quantization == "int8" and (self.offload is not None or self.parallel.tensor > 1):
-            raise ValueError("quantization: int8 weights are not streamed (offload) or sliced (tensor parallelism) "
-                             "yet; a GGUF file (weights_file) streams")
+        if self.quantization in ("int8", "int4") and (self.offload is not None or self.parallel.tensor > 1):
+            raise ValueError(f"quantization: {self.quantization} weights are not streamed (offload) or sliced (tensor "
+                             "parallelism) yet; a GGUF file (weights_file) streams")
         if self.offload is not None and self.parallel.tensor > 1:
             raise ValueError("offload: not with tensor parallelism (its ranks' slices are not streamed)")
         return self

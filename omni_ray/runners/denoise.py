@@ -64,7 +64,7 @@ from omni_ray.runners.offload import BlockStreamer, stream_blocks
 from omni_ray.runners.parallel.mesh import Comm, Mesh
 from omni_ray.runners.parallel.split import assign_passes, gather_passes
 from omni_ray.runners.parallel.tensor import shard_transformer
-from omni_ray.runners.quantization import quantize_fp8, quantize_int8
+from omni_ray.runners.quantization import quantize_fp8, quantize_int4, quantize_int8
 from omni_ray.runners.random_weights import random_model
 from omni_ray.runners.stepping import SteppingRunner
 
@@ -107,8 +107,8 @@ class DenoiseRunner(SteppingRunner):
     ) -> DenoiseRunner:
         """The runner of a checkpoint in diffusers' layout (``transformer/``, ``scheduler/``, ``vae/``); with
         ``dummy``, its transformer built from the config with random weights; with ``quantization="fp8"``, its
-        blocks' Linears in float8 (``quantization.quantize_fp8``), with ``"int8"`` their weights in int8
-        (``quantization.quantize_int8``); with ``compile``, its blocks compiled (dynamic
+        blocks' Linears in float8 (``quantization.quantize_fp8``), with ``"int8"`` or ``"int4"`` their weights in
+        int8 or int4 (``quantization.quantize_int8``, ``quantize_int4``); with ``compile``, its blocks compiled (dynamic
         shapes: batch sizes, sub-batches of cache acceleration and text lengths vary). In a gang (``mesh``) with
         tensor ranks, each keeps its slice of the blocks' Linears (``parallel.tensor.shard_transformer``) before
         the transformer reaches the device. Known limit: each rank reads the whole checkpoint on its host first
@@ -142,6 +142,8 @@ class DenoiseRunner(SteppingRunner):
             logger.info("FP8: %d Linears quantized", quantize_fp8(transformer))
         elif quantization == "int8":
             logger.info("int8 weights: %d Linears quantized", quantize_int8(transformer))
+        elif quantization == "int4":
+            logger.info("int4 weights: %d Linears quantized", quantize_int4(transformer))
         if compile:
             compile_blocks(transformer)
         nets = {name: QwenImageControlNetModel.from_pretrained(path, torch_dtype=dtype).to(device)
