@@ -3,7 +3,8 @@ the tiny checkpoint, the quantized runner's latents are those of the unquantized
 own values (each row's int8 levels times its scale, in float32) within float32 reordering, and far from the
 unquantized checkpoint's (the quantization took effect); a step batch mixing rows with an adapter and without, and
 with a cache, gives each row as it runs alone; a gang of two Ulysses ranks as one rank; the placement check counts
-the blocks' Linears at a byte a weight; and what int8 does not do yet is refused naming the field."""
+the blocks' Linears at a byte a weight; and what int8 does not do yet is refused naming the field. int4 (CUDA only):
+its placement bytes and its refusals."""
 
 from __future__ import annotations
 
