@@ -84,6 +84,7 @@ def encode_all(core, requests) -> tuple[dict, int]:
     return results, steps
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups given here (it was called first)
 def pytest_collection_modifyitems(config, items):
     """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest. Under
     pytest-xdist (``make test-fast``: ``-n 2``) they are handed out last too, so a worker that has run one runs no
