@@ -1,3 +1,4 @@
+import os
 import pathlib
 
 import pytest
@@ -84,13 +85,28 @@ def encode_all(core, requests) -> tuple[dict, int]:
     return results, steps
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker's torch takes its share of the cores (OMP_NUM_THREADS, which vLLM's and the
+    gangs' processes inherit): two workers of two threads each on two cores spent a fifth of the time spinning and
+    swapping (``make test-fast``: 433 s against 360 s with one thread each)."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups given here (it was called first)
 def pytest_collection_modifyitems(config, items):
     """Tests that start vLLM run last: vLLM binds threads for its whole process, which would slow the rest. Under
-    pytest-xdist (``make test-fast``: ``-n 2``) they are handed out last too, so a worker that has run one runs no
-    other kind after it. Those that build a full-width model (``full_width``) go to one worker, one after another
-    (``--dist loadgroup``): two at once would pass the CI machine's 24 GiB."""
+    pytest-xdist (``-n``) they are handed out last too, so a worker that has run one runs no other kind after it.
+    Those that build a full-width model (``full_width``) go to one worker, one after another (``--dist loadgroup``):
+    two at once would pass the CI machine's 24 GiB. The served ones (``serve``) go to one worker too, one cluster at
+    a time: each scans the machine's processes for its cluster's, and would find another's."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
     for item in items:
-        if item.get_closest_marker("full_width") is not None:
-            item.add_marker(pytest.mark.xdist_group("full_width"))
+        for group in ("full_width", "serve"):
+            if item.get_closest_marker(group) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
