@@ -51,7 +51,8 @@ class CardTurns:
             try:
                 while not (self.queue[0] is ticket and self.ledger.holder is None):
                     try:
-                        await asyncio.wait_for(self.changed.wait(), HOLDER_CHECK_S)
+                        async with asyncio.timeout(HOLDER_CHECK_S):  # wait_for can swallow the caller's cancellation
+                            await self.changed.wait()
                     except TimeoutError:
                         await self._end_dead_holder()
             except BaseException:
@@ -77,7 +78,8 @@ class CardTurns:
         if replica is None:
             return
         try:
-            await asyncio.wait_for(replica.__ray_ready__.remote(), PING_TIMEOUT_S)
+            async with asyncio.timeout(PING_TIMEOUT_S):
+                await replica.__ray_ready__.remote()
         except ray.exceptions.RayActorError:
             if self.ledger.holder == holder:
                 self.ledger.forget(holder)

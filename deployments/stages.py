@@ -118,7 +118,8 @@ class ServeStages(Stages[ray.ObjectRef | DeploymentResponse]):
                                        2 if plan.true_cfg else 1, plan.tenant, plan.timeout_s, budget_s,
                                        reservation=request_id, key=size_key(plan.height, plan.width, plan.true_cfg))
         try:
-            return await asyncio.wait_for(_awaited(response), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: see omni_ray/request_path.py's run_request
+                return await response
         except Exception as err:
             cancel(response)
             logger.warning("no estimate from the DiT (%s: %s): the request is admitted", type(err).__name__, err)
@@ -214,7 +215,7 @@ async def _answer(response: DeploymentResponse, stage: str, call: StageCall):
 
 
 async def _awaited(response: DeploymentResponse | ray.ObjectRef):
-    """The value, as a coroutine (what ``asyncio.wait_for`` takes)."""
+    """The value, as a coroutine (what ``read_step_stream`` takes to resolve each step's reference)."""
     return await response
 
 

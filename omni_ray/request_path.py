@@ -167,7 +167,10 @@ async def run_request(
     try:
         while remaining:
             try:
-                event = await asyncio.wait_for(events.get(), deadline - loop.time())
+                # Not asyncio.wait_for: on Python 3.11 it returns what it waited for when the caller is cancelled as
+                # that arrives (python/cpython#86296), and the request went on for a client that had left.
+                async with asyncio.timeout(deadline - loop.time()):
+                    event = await events.get()
             except TimeoutError:
                 late = DeadlineExceededError(f"request {request_id} ran past its {plan.timeout_s:g} s deadline")
                 event = Failed(late)

@@ -189,6 +189,48 @@ def test_a_caller_that_leaves_cancels_every_call():
     assert all(call.cancelled for call in stages.calls_to("decode"))
 
 
+def test_a_caller_that_leaves_as_the_dit_s_estimate_arrives_is_not_admitted():
+    """Found by tests/test_serve.py's mixed load on CI: a client that left as its admission's estimate came back was
+    run in full (200 steps in 23 s) for no one, because Python 3.11's ``asyncio.wait_for`` returned the estimate and
+    dropped the cancellation (python/cpython#86296). The estimate here arrives in the same turn of the loop as the
+    cancellation, as it did there."""
+    from deployments.stages import ServeStages
+
+    class Handle:  # the DiT's handle: estimate.remote() is a call whose reply the test sends
+        def __init__(self, reply):
+            self.reply = reply
+            self.estimate = self
+
+        def options(self, **_):
+            return self
+
+        def remote(self, *args, **kwargs):
+            return self.reply
+
+    async def main():
+        reply = asyncio.get_running_loop().create_future()
+        stages = ServeStages(None, Handle(reply), None)
+        admitting = asyncio.ensure_future(stages.estimate(plan(), "r", budget_s=60))
+        await asyncio.sleep(0)  # it waits for the reply
+        reply.set_result(3.0)
+        admitting.cancel()  # the client leaves as it lands
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+
+    asyncio.run(main())
+
+
+def test_nothing_waits_with_asyncio_wait_for():
+    """``asyncio.wait_for`` can swallow its caller's cancellation on Python 3.11 (the test above); the request path
+    and the deployments wait with ``asyncio.timeout``."""
+    from conftest import REPO
+
+    found = [f"{path.relative_to(REPO)}:{n}" for folder in ("omni_ray", "deployments")
+             for path in sorted((REPO / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "asyncio.wait_for(" in line]
+    assert found == []
+
+
 def test_collect_raises_the_error_and_orders_images_by_index():
     stages = FakeStages()
     results = asyncio.run(collect(run_request(stages, plan(n=3), "r", LIMITS)))

@@ -185,8 +185,8 @@ class Quotas:
         charge = Charge(images=plan.request.n * plan.images_per_result,
                         work=float(plan.work_tokens * plan.steps_run * plan.request.n))
         try:
-            decision = await asyncio.wait_for(
-                self.store.acquire(key, limits, charge, plan.timeout_s + LEASE_GRACE_S), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for, which can swallow the caller's cancellation
+                decision = await self.store.acquire(key, limits, charge, plan.timeout_s + LEASE_GRACE_S)
         except Exception as err:  # fail open: see the module's docstring
             self.timeout_s = CALL_TIMEOUT_S
             self._warn(err)
