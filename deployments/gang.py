@@ -42,7 +42,7 @@ from omni_ray.errors import EngineError, GangError
 
 logger = logging.getLogger("ray.serve")
 
-RANK_ACTOR_PREFIX = "omni-ray-gang:"  # then "<replica actor id>:rank<r>"
+RANK_ACTOR_PREFIX = "omni-ray-gang:"  # then "<stage>:<replica actor id>:rank<r>" (`ray list actors` names the stage)
 
 
 @ray.remote(concurrency_groups={"health": 1})
@@ -99,7 +99,7 @@ class RayExecutor(Executor):
         replica = ray.get_runtime_context().get_actor_id()
         self.workers = [
             RankWorker.options(
-                name=f"{RANK_ACTOR_PREFIX}{replica}:rank{rank}",
+                name=f"{RANK_ACTOR_PREFIX}{name}:{replica}:rank{rank}",
                 num_cpus=settings.rank_num_cpus,
                 num_gpus=stage.deployment.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=1 + rank),
